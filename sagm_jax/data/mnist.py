@@ -1,0 +1,121 @@
+"""The in-memory datasets: RotatedMNIST, ColoredMNIST (DomainBed) and RotatedDigits.
+
+DomainBed's MNIST environments: MNIST's 60k train and 10k test images concatenated
+(train first), shuffled, and environment ``i`` of ``n`` takes ``images[i::n]``.
+DomainBed shuffles with ``torch.randperm`` under its global torch seed; we cannot
+replay torch's generator without torch, so we shuffle with
+``np.random.RandomState(data_seed).permutation`` (deviation: same rule, different
+permutation). Images are float32 in [0, 1], HxWxC.
+
+* RotatedMNIST: environments rotate by 0, 15, 30, 45, 60, 75 degrees, with
+  torchvision's ``rotate`` on the PIL image: counter-clockwise about the centre,
+  same size, fill 0. Current DomainBed asks for bilinear interpolation (older
+  versions bicubic); we call PIL's ``Image.rotate(angle, BILINEAR, fillcolor=0)``,
+  which is what torchvision's PIL path runs. 28x28x1, 10 classes.
+* ColoredMNIST: environments with colour-flip probability 0.1, 0.2, 0.9 (names
+  '+90%', '+80%', '-90%'). label = (digit < 5), flipped with probability 0.25;
+  colour = label, flipped with the environment's probability; the image is put in
+  channel ``colour`` of two (the other channel zero). 28x28x2, 2 classes. The coin
+  flips use ``np.random.RandomState(data_seed + 1)`` (DomainBed: torch.rand).
+* RotatedDigits (offline demo): scikit-learn's ``load_digits`` (1,797 8x8 images,
+  values 0..16) scaled to 0..255, upsampled to 28x28 (PIL bilinear), then built as
+  RotatedMNIST: seeded shuffle, ``images[i::6]``, rotations 0..75 degrees.
+  28x28x1, 10 classes.
+
+MNIST comes from ``tfds.load('mnist')`` (downloaded to ``data_dir`` where there is
+internet; tests use ``tfds.testing.mock_data``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+ROTATIONS = (0, 15, 30, 45, 60, 75)
+COLOR_FLIP_PROBS = (0.1, 0.2, 0.9)
+COLOR_ENV_NAMES = ("+90%", "+80%", "-90%")
+LABEL_FLIP_PROB = 0.25
+
+
+@dataclasses.dataclass
+class ArraySource:
+    """Per-environment images (float32 [N, H, W, C] in [0, 1]) and int32 labels."""
+    env_names: list[str]
+    images: list[np.ndarray]
+    labels: list[np.ndarray]
+    num_classes: int
+
+
+def load_mnist_uint8(data_dir: str | None) -> tuple[np.ndarray, np.ndarray]:
+    """MNIST train then test: uint8 [70000, 28, 28] and int64 labels (via tfds)."""
+    import tensorflow_datasets as tfds
+    try:
+        train, test = tfds.load("mnist", split=["train", "test"], batch_size=-1,
+                                data_dir=data_dir, as_supervised=True)
+    except Exception as e:
+        raise FileNotFoundError(
+            f"Could not load MNIST through tensorflow-datasets (data_dir={data_dir!r}): {e}\n"
+            "tfds downloads MNIST on first use where there is internet; offline, prepare it "
+            "elsewhere with `tfds build mnist --data_dir=DIR` and copy DIR here. "
+            "Use the dataset 'RotatedDigits' for an offline demo.") from e
+    images = np.concatenate([np.asarray(train[0]), np.asarray(test[0])])[..., 0]
+    labels = np.concatenate([np.asarray(train[1]), np.asarray(test[1])])
+    return images.astype(np.uint8), labels.astype(np.int64)
+
+
+def shuffle_into_envs(images, labels, n_envs: int, data_seed: int):
+    perm = np.random.RandomState(data_seed).permutation(len(images))
+    images, labels = images[perm], labels[perm]
+    return [(images[i::n_envs], labels[i::n_envs]) for i in range(n_envs)]
+
+
+def rotate_uint8(images: np.ndarray, angle: float) -> np.ndarray:
+    """Rotate each uint8 HxW image by ``angle`` degrees (counter-clockwise), fill 0."""
+    from PIL import Image
+    if angle == 0:
+        return images.copy()
+    return np.stack([np.asarray(Image.fromarray(im).rotate(angle, Image.BILINEAR, fillcolor=0))
+                     for im in images])
+
+
+def rotated(pairs, angles) -> ArraySource:
+    images = [rotate_uint8(im, a).astype(np.float32)[..., None] / 255.0
+              for (im, _), a in zip(pairs, angles)]
+    labels = [y.astype(np.int32) for _, y in pairs]
+    return ArraySource([str(a) for a in angles], images, labels, 10)
+
+
+def rotated_mnist(data_dir: str | None, data_seed: int = 0) -> ArraySource:
+    images, labels = load_mnist_uint8(data_dir)
+    return rotated(shuffle_into_envs(images, labels, len(ROTATIONS), data_seed), ROTATIONS)
+
+
+def color_environment(images: np.ndarray, digits: np.ndarray, flip_prob: float,
+                      rng: np.random.RandomState):
+    """DomainBed's ``color_dataset`` for one environment: (float32 [N,28,28,2], labels)."""
+    labels = (digits < 5).astype(np.int32)
+    labels ^= (rng.rand(len(labels)) < LABEL_FLIP_PROB).astype(np.int32)
+    colors = labels ^ (rng.rand(len(labels)) < flip_prob).astype(np.int32)
+    x = np.zeros(images.shape + (2,), np.float32)
+    x[np.arange(len(images)), :, :, colors] = images.astype(np.float32) / 255.0
+    return x, labels
+
+
+def colored_mnist(data_dir: str | None, data_seed: int = 0) -> ArraySource:
+    images, digits = load_mnist_uint8(data_dir)
+    pairs = shuffle_into_envs(images, digits, len(COLOR_FLIP_PROBS), data_seed)
+    rng = np.random.RandomState(data_seed + 1)
+    envs = [color_environment(im, y, p, rng) for (im, y), p in zip(pairs, COLOR_FLIP_PROBS)]
+    return ArraySource(list(COLOR_ENV_NAMES), [x for x, _ in envs], [y for _, y in envs], 2)
+
+
+def rotated_digits(data_dir: str | None = None, data_seed: int = 0) -> ArraySource:
+    """RotatedDigits (module doc); ``data_dir`` is unused (the data ship with scikit-learn)."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+    digits = load_digits()
+    small = np.round(digits.images * (255.0 / 16.0)).astype(np.uint8)
+    images = np.stack([np.asarray(Image.fromarray(im).resize((28, 28), Image.BILINEAR))
+                       for im in small])
+    pairs = shuffle_into_envs(images, digits.target.astype(np.int64), len(ROTATIONS), data_seed)
+    return rotated(pairs, ROTATIONS)

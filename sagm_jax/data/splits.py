@@ -1,0 +1,132 @@
+"""DomainBed's file order and split rules, and the record of a run's split.
+
+File order (torchvision ``ImageFolder``, which DomainBed uses and whose order its
+splits depend on):
+
+* environments are the sub-folders of the dataset folder, sorted by name;
+* classes are the sorted names of the sub-folders of each environment;
+* for each class in that order, ``sorted(os.walk(class_dir, followlinks=True))``
+  (sorted by the walked folder's path string), and in each folder its file names
+  sorted; a file is kept when its lower-cased name ends with one of
+  ``IMAGE_EXTENSIONS``. Nested sub-folders of a class therefore count as that class.
+
+Split rule (DomainBed ``misc.split_dataset``), for environment ``i`` with ``n``
+examples and a trial seed::
+
+    seed_hash(*args) = int(md5(str(args).encode('utf-8')).hexdigest(), 16) % 2**31
+    keys = list(range(n)); np.random.RandomState(seed_hash(trial_seed, i)).shuffle(keys)
+    out = keys[:int(n * holdout_fraction)]; in = keys[int(n * holdout_fraction):]
+
+Both index lists keep the shuffled order, as DomainBed's ``_SplitDataset`` does.
+
+In-domain split (the 60/20/20 train/val/test of the paper's Table 2), defined here
+with the same shuffled keys, so that its validation part IS DomainBed's "out" split
+and the model selection data are unchanged between the two experiments::
+
+    v = int(n * 0.2); t = int(n * 0.2)
+    val = keys[:v]; test = keys[v:v + t]; train = keys[v + t:]
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import numpy as np
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+def seed_hash(*args) -> int:
+    """DomainBed's seed derivation: md5 of ``str(args)``, modulo 2**31."""
+    return int(hashlib.md5(str(args).encode("utf-8")).hexdigest(), 16) % (2**31)
+
+
+def shuffled_keys(n: int, trial_seed: int, env_index: int) -> np.ndarray:
+    keys = list(range(n))
+    np.random.RandomState(seed_hash(trial_seed, env_index)).shuffle(keys)
+    return np.asarray(keys, dtype=np.int64)
+
+
+def holdout_split(n: int, trial_seed: int, env_index: int,
+                  holdout_fraction: float = 0.2) -> dict[str, np.ndarray]:
+    """DomainBed's split of one environment: ``{'in': ..., 'out': ...}`` indices."""
+    if not 0.0 <= holdout_fraction < 1.0:
+        raise ValueError(f"holdout_fraction must be in [0, 1), got {holdout_fraction}")
+    keys = shuffled_keys(n, trial_seed, env_index)
+    n_out = int(n * holdout_fraction)
+    return {"in": keys[n_out:], "out": keys[:n_out]}
+
+
+def in_domain_split(n: int, trial_seed: int, env_index: int,
+                    val_fraction: float = 0.2, test_fraction: float = 0.2
+                    ) -> dict[str, np.ndarray]:
+    """The 60/20/20 split: ``{'in': train, 'out': val, 'test': test}`` (see module doc)."""
+    keys = shuffled_keys(n, trial_seed, env_index)
+    n_val, n_test = int(n * val_fraction), int(n * test_fraction)
+    return {"in": keys[n_val + n_test:], "out": keys[:n_val],
+            "test": keys[n_val:n_val + n_test]}
+
+
+def is_image_file(name: str) -> bool:
+    return name.lower().endswith(IMAGE_EXTENSIONS)
+
+
+def list_classes(domain_dir: str) -> list[str]:
+    return sorted(e.name for e in os.scandir(domain_dir) if e.is_dir())
+
+
+def list_class_files(class_dir: str) -> list[str]:
+    """Image files under one class folder, nested folders included, in ImageFolder order."""
+    files = []
+    for folder, _, names in sorted(os.walk(class_dir, followlinks=True)):
+        files.extend(os.path.join(folder, name) for name in sorted(names) if is_image_file(name))
+    return files
+
+
+def list_domains(root: str) -> list[str]:
+    return sorted(e.name for e in os.scandir(root) if e.is_dir())
+
+
+def domainbed_splits(root: str, trial_seed: int, holdout_fraction: float = 0.2
+                     ) -> list[tuple[list[str], list[str]]]:
+    """For each environment (sorted domain folder) of ``root``: ``(in_paths, out_paths)``.
+
+    ``root`` is a dataset folder, e.g. ``<data_dir>/PACS``. Files are listed in
+    ImageFolder order and split by DomainBed's rule (module doc). This only lists
+    files; ``sagm_jax.data.load`` also checks the layout and that the images decode.
+    """
+    result = []
+    for env_index, domain in enumerate(list_domains(root)):
+        domain_dir = os.path.join(root, domain)
+        paths = [p for c in list_classes(domain_dir)
+                 for p in list_class_files(os.path.join(domain_dir, c))]
+        split = holdout_split(len(paths), trial_seed, env_index, holdout_fraction)
+        result.append(([paths[k] for k in split["in"]], [paths[k] for k in split["out"]]))
+    return result
+
+
+def write_split_record(workdir: str, *, dataset: str, env_names, splits, fingerprint: dict,
+                       trial_seed: int, holdout_fraction: float, split_kind: str,
+                       relative_paths=None) -> str:
+    """Write ``<workdir>/split.json``: the dataset fingerprint and, per environment, the
+    index lists of each split part (indices into the environment's example order) and,
+    for image folders, the relative file paths of each part. Returns the file path."""
+    os.makedirs(workdir, exist_ok=True)
+    envs = []
+    for env_index, (name, parts) in enumerate(zip(env_names, splits)):
+        entry = {"env": env_index, "name": name,
+                 "indices": {part: [int(i) for i in idx] for part, idx in parts.items()}}
+        if relative_paths is not None:
+            entry["files"] = {part: [relative_paths[env_index][int(i)] for i in idx]
+                              for part, idx in parts.items()}
+        envs.append(entry)
+    record = {"dataset": dataset, "trial_seed": trial_seed,
+              "holdout_fraction": holdout_fraction, "split": split_kind,
+              "fingerprint": fingerprint, "environments": envs}
+    path = os.path.join(workdir, "split.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, path)
+    return path
