@@ -1,0 +1,78 @@
+"""DomainBed's small CNN for the MNIST variants (RotatedMNIST, ColoredMNIST).
+
+This module owns that network. As in DomainBed's ``MNIST_CNN``, each of four
+3x3 convolutions (64, 128, 128, 128 channels; the second has stride 2; all are
+padded by 1 and carry a bias) is followed by ReLU and then GroupNorm with 8
+groups (in that order: conv -> relu -> groupnorm), then a global average pool
+gives a 128-d feature and a linear layer the logits. GroupNorm normalizes each
+example's channels in groups of C/8 over the spatial axes and the group,
+
+    y = (x - mean_group) / sqrt(var_group + 1e-5) * scale + bias,
+
+with torch's eps 1e-5. Dropout on the feature is an option (off by default; it
+is not in DomainBed) so the ResNet and this network take the same arguments.
+Initialization mirrors torch's defaults for Conv2d and Linear
+(U(-1/sqrt(fan_in), 1/sqrt(fan_in)) bounds, kaiming-uniform with a = sqrt(5)).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+from sagm_jax.models.resnet import torch_linear_init
+
+GROUPNORM_GROUPS = 8
+GROUPNORM_EPS = 1e-5
+# (output channels, stride) of the four convolutions
+CONV_LAYERS = ((64, 1), (128, 2), (128, 1), (128, 1))
+# torch's Conv2d/Linear default kernel init: kaiming_uniform(a=sqrt(5)) = U(+-1/sqrt(fan_in)).
+torch_default_kernel_init = nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
+
+
+class MnistCNN(nn.Module):
+    """DomainBed's MNIST CNN.
+
+    Attributes:
+      num_classes: outputs of the linear head.
+      dropout_rate: dropout on the 128-d feature in training (0 disables it).
+      input_channels: channels of the images (1 RotatedMNIST, 2 ColoredMNIST).
+    """
+
+    num_classes: int
+    dropout_rate: float = 0.0
+    input_channels: int = 1
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool, mixstyle: bool = False) -> jax.Array:
+        """Logits [B, num_classes] for NHWC images ``x``; ``mixstyle`` is accepted and ignored."""
+        if x.ndim != 4:
+            raise ValueError(f"MnistCNN expects NHWC images of rank 4, got shape {x.shape}")
+        if x.shape[-1] != self.input_channels:
+            raise ValueError(
+                f"MnistCNN built for {self.input_channels} input channels got images of shape "
+                f"{x.shape} (NHWC expected)"
+            )
+        for index, (features, stride) in enumerate(CONV_LAYERS, start=1):
+            fan_in = 9 * x.shape[-1]
+            x = nn.Conv(
+                features,
+                (3, 3),
+                strides=(stride, stride),
+                padding=((1, 1), (1, 1)),
+                kernel_init=torch_default_kernel_init,
+                bias_init=torch_linear_init(fan_in),
+                name=f"conv{index}",
+            )(x)
+            x = nn.relu(x)
+            x = nn.GroupNorm(num_groups=GROUPNORM_GROUPS, epsilon=GROUPNORM_EPS, name=f"groupnorm{index}")(x)
+        features = jnp.mean(x, axis=(1, 2))
+        if self.dropout_rate > 0.0:
+            features = nn.Dropout(self.dropout_rate, deterministic=not train)(features)
+        fan_in = features.shape[-1]
+        return nn.Dense(
+            self.num_classes,
+            kernel_init=torch_default_kernel_init,
+            bias_init=torch_linear_init(fan_in),
+            name="classifier",
+        )(features)

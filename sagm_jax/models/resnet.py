@@ -1,0 +1,193 @@
+"""Flax ResNet-18 and ResNet-50 that compute what torchvision's compute.
+
+This module owns the ResNet architecture: torchvision's ``resnet18`` (basic
+blocks) and ``resnet50`` (v1.5 bottlenecks: the stride sits on the 3x3 conv),
+in the DomainBed configuration: torchvision's fc removed, dropout on the pooled
+feature, a fresh linear classifier ``classifier``. With ``num_classes=1000`` and
+the torchvision fc weights in ``classifier`` the network is torchvision's
+ImageNet classifier (see ``torchvision_weights.imagenet_classifier``).
+
+Written with Flax Linen because the training step must stay a pure function that
+``jax.jit`` and sharding handle: ``model.apply(variables, x, ...)`` is exactly
+such a function of the variables, the images and explicit PRNG keys, with no
+hidden module state.
+
+Padding. torchvision pads symmetrically: the 7x7 stem conv by 3, every 3x3 conv
+by 1 (also at stride 2), the 3x3 stride-2 max-pool by 1 (with -inf). Flax's
+'SAME' padding is asymmetric at stride 2 (it pads more on the bottom/right), which
+shifts every sampling grid by one pixel, so every padding here is explicit.
+
+BatchNorm. ``y = (x - mean) / sqrt(var + 1e-5) * scale + bias`` (torchvision's
+eps). Frozen (the default, DomainBed's setting): ``mean`` and ``var`` are the
+running statistics in training and evaluation alike and are never updated;
+``scale`` and ``bias`` are ordinary trainable parameters. Trainable
+(``freeze_batchnorm=False``): batch statistics in training, and the running
+statistics are updated as ``running = 0.9 * running + 0.1 * batch`` (torch's
+momentum 0.1); the caller passes ``mutable=['batch_stats']``. Flax updates the
+running variance with the biased batch variance where torch uses the unbiased
+one, a difference of a factor N / (N - 1) in that update only.
+
+Variable names mirror torchvision's module names (``conv1``, ``bn1``,
+``layer1_0/conv2``, ``layer2_0/downsample_conv``, ...), so the mapping to
+torchvision's keys in ``torchvision_weights`` is mechanical.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+from sagm_jax.models.mixstyle import MixStyle
+
+BATCHNORM_EPS = 1e-5
+# torch's BatchNorm momentum 0.1 weighs the new batch; Flax's momentum weighs the old value.
+BATCHNORM_MOMENTUM = 0.9
+
+# arch -> (block kind, number of blocks in each of the four stages)
+ARCHITECTURES: dict[str, tuple[str, tuple[int, int, int, int]]] = {
+    "resnet18": ("basic", (2, 2, 2, 2)),
+    "resnet50": ("bottleneck", (3, 4, 6, 3)),
+}
+STAGE_WIDTHS = (64, 128, 256, 512)
+EXPANSION = {"basic": 1, "bottleneck": 4}
+MIXSTYLE_STAGES = (1, 2, 3)
+
+# torchvision's init for training from scratch: kaiming_normal_(fan_out, relu), untruncated.
+conv_init = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
+
+
+def torch_linear_init(fan_in: int):
+    """torch.nn.Linear's default init, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), for kernel and bias."""
+    bound = 1.0 / jnp.sqrt(fan_in)
+
+    def init(key, shape, dtype=jnp.float32):
+        return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+    return init
+
+
+def conv(features: int, kernel: int, stride: int, name: str) -> nn.Conv:
+    """A bias-free convolution padded symmetrically by kernel // 2, as torchvision's."""
+    pad = kernel // 2
+    return nn.Conv(
+        features,
+        (kernel, kernel),
+        strides=(stride, stride),
+        padding=((pad, pad), (pad, pad)),
+        use_bias=False,
+        kernel_init=conv_init,
+        name=name,
+    )
+
+
+def batchnorm(use_running_average: bool, name: str) -> nn.BatchNorm:
+    return nn.BatchNorm(
+        use_running_average=use_running_average,
+        momentum=BATCHNORM_MOMENTUM,
+        epsilon=BATCHNORM_EPS,
+        name=name,
+    )
+
+
+class BasicBlock(nn.Module):
+    """Two 3x3 convs (the first strided) and a projection shortcut when the shape changes."""
+
+    width: int
+    stride: int
+    use_running_average: bool
+
+    @nn.compact
+    def __call__(self, x):
+        out_features = self.width * EXPANSION["basic"]
+        y = conv(self.width, 3, self.stride, "conv1")(x)
+        y = nn.relu(batchnorm(self.use_running_average, "bn1")(y))
+        y = conv(self.width, 3, 1, "conv2")(y)
+        y = batchnorm(self.use_running_average, "bn2")(y)
+        shortcut = x
+        if self.stride != 1 or x.shape[-1] != out_features:
+            shortcut = conv(out_features, 1, self.stride, "downsample_conv")(x)
+            shortcut = batchnorm(self.use_running_average, "downsample_bn")(shortcut)
+        return nn.relu(y + shortcut)
+
+
+class Bottleneck(nn.Module):
+    """1x1 reduce, 3x3 (strided: v1.5), 1x1 expand by 4, projection shortcut when needed."""
+
+    width: int
+    stride: int
+    use_running_average: bool
+
+    @nn.compact
+    def __call__(self, x):
+        out_features = self.width * EXPANSION["bottleneck"]
+        y = conv(self.width, 1, 1, "conv1")(x)
+        y = nn.relu(batchnorm(self.use_running_average, "bn1")(y))
+        y = conv(self.width, 3, self.stride, "conv2")(y)
+        y = nn.relu(batchnorm(self.use_running_average, "bn2")(y))
+        y = conv(out_features, 1, 1, "conv3")(y)
+        y = batchnorm(self.use_running_average, "bn3")(y)
+        shortcut = x
+        if self.stride != 1 or x.shape[-1] != out_features:
+            shortcut = conv(out_features, 1, self.stride, "downsample_conv")(x)
+            shortcut = batchnorm(self.use_running_average, "downsample_bn")(shortcut)
+        return nn.relu(y + shortcut)
+
+
+class ResNet(nn.Module):
+    """torchvision's ResNet with DomainBed's head: pooled feature -> dropout -> classifier.
+
+    Attributes:
+      arch: a key of ``ARCHITECTURES``.
+      num_classes: outputs of the fresh linear classifier.
+      dropout_rate: dropout on the pooled feature in training (0 disables it).
+      freeze_batchnorm: use and keep the running statistics (see module docstring).
+      mixstyle_after: stages (from 1, 2, 3) after which a MixStyle layer sits.
+      input_channels: channels the images must have (3 for torchvision weights).
+    """
+
+    arch: str
+    num_classes: int
+    dropout_rate: float = 0.0
+    freeze_batchnorm: bool = True
+    mixstyle_after: Sequence[int] = ()
+    input_channels: int = 3
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool, mixstyle: bool = False) -> jax.Array:
+        """Logits [B, num_classes] for normalized NHWC float images ``x``.
+
+        ``mixstyle`` switches the MixStyle layers on for this call; they act only
+        when ``train`` is also true (and are absent when ``mixstyle_after`` is empty).
+        """
+        if x.ndim != 4:
+            raise ValueError(f"ResNet expects NHWC images of rank 4, got shape {x.shape}")
+        if x.shape[-1] != self.input_channels:
+            raise ValueError(
+                f"ResNet built for {self.input_channels} input channels got images of shape "
+                f"{x.shape} (NHWC expected)"
+            )
+        block_kind, stage_sizes = ARCHITECTURES[self.arch]
+        block_class = BasicBlock if block_kind == "basic" else Bottleneck
+        use_running_average = self.freeze_batchnorm or not train
+
+        x = conv(64, 7, 2, "conv1")(x)
+        x = nn.relu(batchnorm(use_running_average, "bn1")(x))
+        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+        for stage, (width, blocks) in enumerate(zip(STAGE_WIDTHS, stage_sizes), start=1):
+            for index in range(blocks):
+                stride = 2 if stage > 1 and index == 0 else 1
+                x = block_class(width, stride, use_running_average, name=f"layer{stage}_{index}")(x)
+            if stage in self.mixstyle_after:
+                x = MixStyle(name=f"mixstyle{stage}")(x, active=train and mixstyle)
+        features = jnp.mean(x, axis=(1, 2))
+        if self.dropout_rate > 0.0:
+            features = nn.Dropout(self.dropout_rate, deterministic=not train)(features)
+        fan_in = features.shape[-1]
+        return nn.Dense(
+            self.num_classes,
+            kernel_init=torch_linear_init(fan_in),
+            bias_init=torch_linear_init(fan_in),
+            name="classifier",
+        )(features)

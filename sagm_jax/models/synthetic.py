@@ -1,0 +1,71 @@
+"""Seeded, torchvision-shaped ResNet weights and inputs for the parity tests.
+
+This module owns the one definition of the random weights and images that both
+``experiments/make_resnet_golden.py`` (run with torch and torchvision, writes
+torchvision's logits) and ``tests/models/test_resnet_parity.py`` (no torch,
+recomputes them with our ResNet) use, so the two cannot drift apart.
+
+Weights are drawn from ``numpy.random.default_rng(seed)`` in torchvision's key
+order, with ranges that keep activations O(1) through 50 layers with BatchNorm
+in eval mode, yet exercise every term of the computation:
+
+* conv weights ~ N(0, 2 / fan_in) (He scale);
+* BatchNorm: scale ~ U(0.5, 1.5), except the last BN of each residual branch,
+  U(0.1, 0.4), so that the residual sum does not grow by a factor per block;
+  bias ~ N(0, 0.1^2); running mean ~ N(0, 0.1^2); running variance ~ U(0.5, 2)
+  (positive, not all 1);
+* fc weight ~ N(0, 1 / fan_in), fc bias ~ N(0, 0.1^2).
+
+Every array is float32. ``weights_fingerprint`` hashes the drawn arrays, so a
+change of NumPy's generator would show up as a clear test failure rather than as
+a parity error.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from sagm_jax.models.torchvision_weights import torchvision_layout
+
+
+def _is_last_bn_of_branch(torch_key: str, arch: str) -> bool:
+    last_bn = "bn3" if arch == "resnet50" else "bn2"
+    return torch_key.startswith("layer") and f".{last_bn}." in torch_key
+
+
+def draw_torchvision_weights(arch: str, seed: int, num_classes: int = 1000) -> dict[str, np.ndarray]:
+    """A torchvision ``state_dict()`` for ``arch`` (without counters), in its key order."""
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for entry in torchvision_layout(arch, num_classes):
+        key, shape = entry.torch_key, entry.shape
+        if entry.kind == "conv":
+            fan_in = shape[1] * shape[2] * shape[3]
+            array = rng.standard_normal(shape) * np.sqrt(2.0 / fan_in)
+        elif entry.kind == "linear":
+            array = rng.standard_normal(shape) * np.sqrt(1.0 / shape[1])
+        elif key.endswith(".weight"):  # BatchNorm scale
+            low, high = (0.1, 0.4) if _is_last_bn_of_branch(key, arch) else (0.5, 1.5)
+            array = rng.uniform(low, high, shape)
+        elif key.endswith(".running_var"):
+            array = rng.uniform(0.5, 2.0, shape)
+        else:  # BatchNorm bias, running mean, fc bias
+            array = rng.standard_normal(shape) * 0.1
+        weights[key] = array.astype(np.float32)
+    return weights
+
+
+def draw_images(seed: int, batch: int, size: int) -> np.ndarray:
+    """Normalized-looking images, N(0, 1), NCHW float32 (torch's layout; transpose for ours)."""
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((batch, 3, size, size)).astype(np.float32)
+
+
+def weights_fingerprint(weights: dict[str, np.ndarray]) -> str:
+    """SHA-256 over the keys and float32 bytes, in order."""
+    digest = hashlib.sha256()
+    for key, array in weights.items():
+        digest.update(key.encode())
+        digest.update(np.ascontiguousarray(array, dtype=np.float32).tobytes())
+    return digest.hexdigest()

@@ -1,0 +1,321 @@
+"""torchvision ResNet checkpoints: reading them, and mapping them onto our variables.
+
+This module owns everything between a torchvision weights file and our Flax
+variables:
+
+* ``load_weights(path)`` reads a state dict from a torchvision ``.pth`` (with
+  torch, the optional extra ``sagm_jax[torch]``), or from a ``.safetensors`` or
+  ``.npz`` file (no torch), and returns it with the file's SHA-256, so every run
+  can report which weights it started from.
+* ``torchvision_layout(arch, num_classes)`` is the table of torchvision's keys, in
+  torchvision's ``state_dict()`` order, with their shapes and where each lands in
+  our variables.
+* ``convert_torchvision(state_dict)`` maps a state dict onto
+  ``{'params': ..., 'batch_stats': ...}`` strictly: a missing, unexpected or
+  mis-shaped key is an error that names the keys. ``*.num_batches_tracked``
+  entries (BatchNorm's step counters) carry no weights and are ignored. The
+  ``fc.*`` keys become the ``classifier`` of the ImageNet network.
+* ``with_pretrained_backbone(variables, converted)`` puts converted weights into
+  freshly initialised DomainBed variables: every backbone entry is replaced
+  (strictly), the fresh classifier is kept, and the converted ``classifier`` (the
+  ImageNet fc) is deliberately dropped, as DomainBed removes torchvision's fc.
+* ``imagenet_classifier(arch, state_dict)`` is the ImageNet network in eval mode,
+  for checking a weights file against known predictions.
+
+Layouts: torch convolution weights are [out, in, kh, kw] and Flax kernels
+[kh, kw, in, out]; torch linear weights are [out, in] and Flax kernels [in, out].
+BatchNorm ``weight``/``bias`` are our ``scale``/``bias`` params and
+``running_mean``/``running_var`` our ``mean``/``var`` batch statistics.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from sagm_jax.models.resnet import ARCHITECTURES, EXPANSION, STAGE_WIDTHS
+
+TORCH_INSTALL_HINT = (
+    "Reading a torchvision .pth file needs torch, which is an optional extra: "
+    "install it with `pip install 'sagm_jax[torch]'` (a CPU build is enough), or, on "
+    "any machine that has torch, convert the file once with "
+    "`python -m sagm_jax.models.convert {path} weights.safetensors` and load the "
+    ".safetensors file here; it needs no torch."
+)
+SUPPORTED_SUFFIXES = (".pth", ".pt", ".safetensors", ".npz")
+IGNORED_SUFFIX = ".num_batches_tracked"
+# How many key names an error message lists before it summarises the rest.
+MAX_KEYS_IN_MESSAGE = 20
+
+
+@dataclass(frozen=True)
+class LayoutEntry:
+    """One torchvision tensor: its key, shape, and its place in our variables."""
+
+    torch_key: str
+    shape: tuple[int, ...]
+    collection: str  # 'params' or 'batch_stats'
+    path: tuple[str, ...]  # module path and variable name inside the collection
+    kind: str  # 'conv', 'linear' or 'vector': how the array is transposed
+
+
+def _conv_entries(torch_module: str, flax_module: tuple[str, ...], out_ch: int, in_ch: int, k: int):
+    return [LayoutEntry(f"{torch_module}.weight", (out_ch, in_ch, k, k), "params", flax_module + ("kernel",), "conv")]
+
+
+def _bn_entries(torch_module: str, flax_module: tuple[str, ...], channels: int):
+    shape = (channels,)
+    return [
+        LayoutEntry(f"{torch_module}.weight", shape, "params", flax_module + ("scale",), "vector"),
+        LayoutEntry(f"{torch_module}.bias", shape, "params", flax_module + ("bias",), "vector"),
+        LayoutEntry(f"{torch_module}.running_mean", shape, "batch_stats", flax_module + ("mean",), "vector"),
+        LayoutEntry(f"{torch_module}.running_var", shape, "batch_stats", flax_module + ("var",), "vector"),
+    ]
+
+
+def torchvision_layout(arch: str, num_classes: int = 1000) -> list[LayoutEntry]:
+    """torchvision's ``state_dict()`` keys for ``arch``, in its order, without counters."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown ResNet arch {arch!r}; expected one of {sorted(ARCHITECTURES)}")
+    block_kind, stage_sizes = ARCHITECTURES[arch]
+    expansion = EXPANSION[block_kind]
+    entries = _conv_entries("conv1", ("conv1",), 64, 3, 7) + _bn_entries("bn1", ("bn1",), 64)
+    in_ch = 64
+    for stage, (width, blocks) in enumerate(zip(STAGE_WIDTHS, stage_sizes), start=1):
+        for index in range(blocks):
+            stride = 2 if stage > 1 and index == 0 else 1
+            torch_block, flax_block = f"layer{stage}.{index}", f"layer{stage}_{index}"
+            if block_kind == "basic":
+                convs = [(width, in_ch, 3), (width, width, 3)]
+            else:
+                convs = [(width, in_ch, 1), (width, width, 3), (width * expansion, width, 1)]
+            for number, (out_ch, conv_in, k) in enumerate(convs, start=1):
+                entries += _conv_entries(f"{torch_block}.conv{number}", (flax_block, f"conv{number}"), out_ch, conv_in, k)
+                entries += _bn_entries(f"{torch_block}.bn{number}", (flax_block, f"bn{number}"), out_ch)
+            out_ch = width * expansion
+            if stride != 1 or in_ch != out_ch:
+                entries += _conv_entries(f"{torch_block}.downsample.0", (flax_block, "downsample_conv"), out_ch, in_ch, 1)
+                entries += _bn_entries(f"{torch_block}.downsample.1", (flax_block, "downsample_bn"), out_ch)
+            in_ch = out_ch
+    entries += [
+        LayoutEntry("fc.weight", (num_classes, in_ch), "params", ("classifier", "kernel"), "linear"),
+        LayoutEntry("fc.bias", (num_classes,), "params", ("classifier", "bias"), "vector"),
+    ]
+    return entries
+
+
+def _name_keys(keys) -> str:
+    keys = sorted(keys)
+    shown = ", ".join(keys[:MAX_KEYS_IN_MESSAGE])
+    more = len(keys) - MAX_KEYS_IN_MESSAGE
+    return shown + (f" ... and {more} more" if more > 0 else "")
+
+
+def infer_arch(state_dict: Mapping[str, Any]) -> str:
+    """'resnet50' when the blocks have a third conv (bottlenecks), otherwise 'resnet18'."""
+    return "resnet50" if "layer1.0.conv3.weight" in state_dict else "resnet18"
+
+
+def convert_torchvision(state_dict: Mapping[str, Any], arch: str | None = None) -> dict[str, dict]:
+    """Map a torchvision ResNet state dict onto ``{'params': ..., 'batch_stats': ...}``.
+
+    ``state_dict`` maps torchvision key names to arrays (NumPy, or anything
+    ``np.asarray`` reads). ``arch`` defaults to the one the keys imply. The number
+    of classes is read from ``fc.weight``. Strict: every key of torchvision's
+    layout must be present with its exact shape and no other key may appear,
+    except ``*.num_batches_tracked``, which is ignored. Errors name the keys.
+    """
+    arch = arch or infer_arch(state_dict)
+    fc_weight = state_dict.get("fc.weight")
+    num_classes = int(np.shape(fc_weight)[0]) if fc_weight is not None and np.ndim(fc_weight) == 2 else 1000
+    layout = torchvision_layout(arch, num_classes)
+    expected = {entry.torch_key for entry in layout}
+    given = {key for key in state_dict if not key.endswith(IGNORED_SUFFIX)}
+    problems = []
+    if missing := expected - given:
+        problems.append(f"missing keys ({len(missing)}): {_name_keys(missing)}")
+    if unexpected := given - expected:
+        problems.append(f"unexpected keys ({len(unexpected)}): {_name_keys(unexpected)}")
+    misshaped = [
+        f"{entry.torch_key} has shape {tuple(np.shape(state_dict[entry.torch_key]))}, expected {entry.shape}"
+        for entry in layout
+        if entry.torch_key in given and tuple(np.shape(state_dict[entry.torch_key])) != entry.shape
+    ]
+    if misshaped:
+        problems.append(f"mis-shaped keys ({len(misshaped)}): " + "; ".join(misshaped[:MAX_KEYS_IN_MESSAGE]))
+    if problems:
+        raise ValueError(f"state dict does not match torchvision {arch}: " + " | ".join(problems))
+
+    variables: dict[str, dict] = {"params": {}, "batch_stats": {}}
+    for entry in layout:
+        array = np.asarray(state_dict[entry.torch_key], dtype=np.float32)
+        if entry.kind == "conv":
+            array = array.transpose(2, 3, 1, 0)
+        elif entry.kind == "linear":
+            array = array.T
+        node = variables[entry.collection]
+        for name in entry.path[:-1]:
+            node = node.setdefault(name, {})
+        node[entry.path[-1]] = np.ascontiguousarray(array)
+    return variables
+
+
+def _flatten(tree: Mapping, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    flat = {}
+    for name, value in tree.items():
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, prefix + (name,)))
+        else:
+            flat[prefix + (name,)] = value
+    return flat
+
+
+def _unflatten(flat: Mapping[tuple[str, ...], Any]) -> dict:
+    tree: dict = {}
+    for path, value in flat.items():
+        node = tree
+        for name in path[:-1]:
+            node = node.setdefault(name, {})
+        node[path[-1]] = value
+    return tree
+
+
+def with_pretrained_backbone(variables: Mapping, converted: Mapping, head: str = "classifier") -> dict:
+    """Fresh ``variables`` with every backbone entry taken from ``converted``.
+
+    Every entry of ``variables`` outside ``params[head]`` must exist in
+    ``converted`` with the same shape, and ``converted`` may have nothing else
+    besides its own ``params[head]`` (the ImageNet fc, deliberately dropped).
+    Mismatches are errors naming the entries. The fresh head is kept as it is.
+    """
+    def is_head(path):
+        return path[0] == "params" and path[1] == head
+
+    fresh = _flatten(variables)
+    source = _flatten(converted)
+    fresh_backbone = {path for path in fresh if not is_head(path)}
+    source_backbone = {path for path in source if not is_head(path)}
+    problems = []
+    if missing := fresh_backbone - source_backbone:
+        problems.append(f"missing from the converted weights: {_name_keys('/'.join(p) for p in missing)}")
+    if unexpected := source_backbone - fresh_backbone:
+        problems.append(f"not in the model: {_name_keys('/'.join(p) for p in unexpected)}")
+    misshaped = [
+        f"{'/'.join(path)}: converted {tuple(np.shape(source[path]))}, model {tuple(np.shape(fresh[path]))}"
+        for path in sorted(fresh_backbone & source_backbone)
+        if tuple(np.shape(source[path])) != tuple(np.shape(fresh[path]))
+    ]
+    if misshaped:
+        problems.append("mis-shaped: " + "; ".join(misshaped[:MAX_KEYS_IN_MESSAGE]))
+    if problems:
+        raise ValueError("pretrained weights do not fit the model: " + " | ".join(problems))
+    merged = {
+        path: (value if is_head(path) else np.asarray(source[path], dtype=np.asarray(value).dtype))
+        for path, value in fresh.items()
+    }
+    return _unflatten(merged)
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _load_pth(path: str) -> dict[str, np.ndarray]:
+    try:
+        import torch
+    except ImportError as error:
+        raise ImportError(TORCH_INSTALL_HINT.format(path=path)) from error
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises many types for a corrupt or foreign file
+        raise ValueError(f"{path}: torch.load cannot read it as a checkpoint ({error})") from error
+    if not isinstance(loaded, Mapping) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
+        raise ValueError(
+            f"{path}: expected a state dict (a mapping of names to tensors, as torchvision "
+            f"saves), got {type(loaded).__name__}"
+        )
+    return {key: value.detach().cpu().numpy() for key, value in loaded.items()}
+
+
+def _load_safetensors(path: str) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    try:
+        return dict(load_file(path))
+    except Exception as error:  # safetensors raises its own error type for a bad header
+        raise ValueError(f"{path}: not a readable .safetensors file ({error})") from error
+
+
+def _load_npz(path: str) -> dict[str, np.ndarray]:
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            return {key: archive[key] for key in archive.files}
+    except Exception as error:  # zipfile and numpy raise several types for a bad archive
+        raise ValueError(f"{path}: not a readable .npz archive ({error})") from error
+
+
+def load_weights(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], str]:
+    """Read a state dict from ``.pth``/``.pt`` (torch), ``.safetensors`` or ``.npz``.
+
+    Returns the mapping from torchvision key names to NumPy arrays and the file's
+    SHA-256 (hex), to record which weights a run started from.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"weights file not found: {path}")
+    suffix = os.path.splitext(path)[1].lower()
+    readers: dict[str, Callable[[str], dict]] = {
+        ".pth": _load_pth,
+        ".pt": _load_pth,
+        ".safetensors": _load_safetensors,
+        ".npz": _load_npz,
+    }
+    if suffix not in readers:
+        raise ValueError(f"{path}: unsupported weights format {suffix!r}; expected one of {SUPPORTED_SUFFIXES}")
+    return readers[suffix](path), file_sha256(path)
+
+
+def save_weights(state_dict: Mapping[str, Any], path: str | os.PathLike, metadata: Mapping[str, str] | None = None) -> str:
+    """Write a state dict as ``.safetensors`` (with ``metadata``) or ``.npz``; return its SHA-256."""
+    path = os.fspath(path)
+    arrays = {key: np.ascontiguousarray(np.asarray(value)) for key, value in state_dict.items()}
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix == ".safetensors":
+        from safetensors.numpy import save_file
+
+        save_file(arrays, path, metadata=dict(metadata or {}))
+    elif suffix == ".npz":
+        np.savez(path, **arrays)
+    else:
+        raise ValueError(f"{path}: can only write .safetensors or .npz, not {suffix!r}")
+    return file_sha256(path)
+
+
+def imagenet_classifier(arch: str, state_dict: Mapping[str, Any]) -> Callable:
+    """torchvision's ImageNet network in eval mode, from its state dict.
+
+    Returns a jitted function from normalized NHWC float32 images [B, H, W, 3]
+    (ImageNet mean/std) to the logits [B, 1000] (the number of classes is read from
+    ``fc.weight``, 1000 for ImageNet checkpoints).
+    """
+    import jax
+
+    from sagm_jax.models.resnet import ResNet
+
+    variables = convert_torchvision(state_dict, arch=arch)
+    num_classes = variables["params"]["classifier"]["kernel"].shape[1]
+    model = ResNet(arch=arch, num_classes=num_classes)
+    variables = jax.tree_util.tree_map(jax.numpy.asarray, variables)
+
+    @jax.jit
+    def logits(images):
+        return model.apply(variables, images, train=False)
+
+    return logits
