@@ -50,16 +50,20 @@ def load_mnist_uint8(data_dir: str | None) -> tuple[np.ndarray, np.ndarray]:
     """MNIST train then test: uint8 [70000, 28, 28] and int64 labels (via tfds)."""
     import tensorflow_datasets as tfds
     try:
-        train, test = tfds.load("mnist", split=["train", "test"], batch_size=-1,
-                                data_dir=data_dir, as_supervised=True)
+        splits = tfds.load("mnist", split=["train", "test"], data_dir=data_dir,
+                           as_supervised=True)
     except Exception as e:
         raise FileNotFoundError(
             f"Could not load MNIST through tensorflow-datasets (data_dir={data_dir!r}): {e}\n"
             "tfds downloads MNIST on first use where there is internet; offline, prepare it "
             "elsewhere with `tfds build mnist --data_dir=DIR` and copy DIR here. "
             "Use the dataset 'RotatedDigits' for an offline demo.") from e
-    images = np.concatenate([np.asarray(train[0]), np.asarray(test[0])])[..., 0]
-    labels = np.concatenate([np.asarray(train[1]), np.asarray(test[1])])
+    images, labels = [], []
+    for split in splits:   # train, then test, as DomainBed concatenates them
+        for x, y in split.batch(10_000).as_numpy_iterator():
+            images.append(x[..., 0])
+            labels.append(y)
+    images, labels = np.concatenate(images), np.concatenate(labels)
     return images.astype(np.uint8), labels.astype(np.int64)
 
 
