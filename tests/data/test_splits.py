@@ -106,3 +106,11 @@ def test_in_domain_split_partitions_with_domainbed_val(tree, tmp_path):
 def test_unknown_dataset_lists_valid_names():
     with pytest.raises(ValueError, match="RotatedDigits"):
         data.load("NoSuchSet", "/tmp", trial_seed=0)
+
+
+def test_importing_the_package_does_not_start_tensorflow():
+    import subprocess
+    import sys
+    code = "import sys, sagm_jax.data; print('tensorflow' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
