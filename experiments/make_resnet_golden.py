@@ -7,10 +7,10 @@ dependencies (``pip install 'sagm_jax[torch]' torchvision``):
 
 For resnet18 and resnet50 it draws the weights and images defined once in
 ``sagm_jax.models.synthetic`` (shared with the parity test), loads the weights into
-torchvision's own ``resnet18()``/``resnet50()`` (``load_state_dict(strict=True)``,
+torchvision's own ``resnet18()``/``resnet50()`` (``load_state_dict``, checked to leave out only the counters,
 after checking that torchvision's keys, order and shapes are exactly
 ``torchvision_layout``'s), and stores its eval-mode float32 logits for each image
-size in ``SIZES``. The test then needs no torch.
+size in ``GOLDEN_SIZES``. The test then needs no torch.
 
 torchvision wheels built for CUDA fail to load their compiled ops on a CPU-only
 torch (``operator torchvision::nms does not exist`` at import). The ResNet code is
@@ -33,14 +33,17 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from sagm_jax.models.synthetic import draw_images, draw_torchvision_weights, weights_fingerprint  # noqa: E402
+from sagm_jax.models.synthetic import (  # noqa: E402
+    GOLDEN_ARCHS,
+    GOLDEN_BATCH,
+    GOLDEN_IMAGE_SEED,
+    GOLDEN_SIZES,
+    GOLDEN_WEIGHT_SEEDS,
+    draw_images,
+    draw_torchvision_weights,
+    weights_fingerprint,
+)
 from sagm_jax.models.torchvision_weights import torchvision_layout  # noqa: E402
-
-ARCHS = ("resnet18", "resnet50")
-SIZES = (64, 100)  # 100 is not a multiple of 32: odd feature maps meet stride-2 padding
-BATCH = 2
-WEIGHT_SEED = {"resnet18": 18, "resnet50": 50}
-IMAGE_SEED = 2023
 
 
 def import_torchvision_resnet():
@@ -72,7 +75,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, torchvision {torchvision_version}, {how}")
     torch.use_deterministic_algorithms(True)
     golden = {}
-    for arch in ARCHS:
+    for arch in GOLDEN_ARCHS:
         model = getattr(resnet, arch)().eval()
         reference = [
             (key, tuple(value.shape))
@@ -82,14 +85,14 @@ def main() -> None:
         ours = [(entry.torch_key, entry.shape) for entry in torchvision_layout(arch)]
         if reference != ours:
             raise SystemExit(f"{arch}: torchvision_layout differs from torchvision's state_dict order/shapes")
-        weights = draw_torchvision_weights(arch, WEIGHT_SEED[arch])
+        weights = draw_torchvision_weights(arch, GOLDEN_WEIGHT_SEEDS[arch])
         # strict=False only because the counters (num_batches_tracked) are not drawn.
         result = model.load_state_dict({key: torch.from_numpy(value) for key, value in weights.items()}, strict=False)
         if result.unexpected_keys or not all(k.endswith(".num_batches_tracked") for k in result.missing_keys):
             raise SystemExit(f"{arch}: load_state_dict mismatch {result}")
         golden[f"{arch}_fingerprint"] = np.array(weights_fingerprint(weights))
-        for size in SIZES:
-            images = draw_images(IMAGE_SEED + size, BATCH, size)
+        for size in GOLDEN_SIZES:
+            images = draw_images(GOLDEN_IMAGE_SEED + size, GOLDEN_BATCH, size)
             with torch.no_grad():
                 logits = model(torch.from_numpy(images)).numpy()
             golden[f"{arch}_{size}"] = logits.astype(np.float32)

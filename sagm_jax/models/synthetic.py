@@ -28,6 +28,13 @@ import numpy as np
 
 from sagm_jax.models.torchvision_weights import torchvision_layout
 
+# The golden file's configuration, read by both the script and the test.
+GOLDEN_ARCHS = ("resnet18", "resnet50")
+GOLDEN_WEIGHT_SEEDS = {"resnet18": 18, "resnet50": 50}
+GOLDEN_IMAGE_SEED = 2023  # the images of size s use seed GOLDEN_IMAGE_SEED + s
+GOLDEN_SIZES = (64, 100)  # 100 is not a multiple of 32: odd feature maps meet stride-2 padding
+GOLDEN_BATCH = 2
+
 
 def _is_last_bn_of_branch(torch_key: str, arch: str) -> bool:
     last_bn = "bn3" if arch == "resnet50" else "bn2"
