@@ -81,6 +81,14 @@ def test_deterministic_given_the_key_and_applied_with_probability_p():
     assert 60 < sum(applied) < 140
 
 
+def test_init_in_training_mode_returns_only_variables():
+    model = models.create("resnet18", 3, mixstyle_after=(1,))
+    x = jnp.zeros((2, 32, 32, 3))
+    rngs = {"params": jax.random.PRNGKey(0), "mixstyle": jax.random.PRNGKey(1)}
+    shapes = jax.eval_shape(lambda: model.init(rngs, x, train=True, mixstyle=True))
+    assert set(shapes) == {"params", "batch_stats"}
+
+
 def test_rejects_a_single_spatial_position():
     with pytest.raises(ValueError, match="1x1"):
         mix_statistics(jnp.ones((2, 1, 1, 3)), jnp.ones(2), jnp.arange(2), 1e-6)
