@@ -72,8 +72,7 @@ class MixStyle(nn.Module):
         mixed = mix_statistics(x, lam, perm, self.eps)
         # One coin per batch, as in the reference (`random.random() > p` skips).
         apply = jax.random.uniform(apply_key) < self.p
-        # Recorded only when the caller makes 'intermediates' mutable (for tests, debugging);
-        # never during init, which would otherwise add the collection to the variables.
-        if not self.is_initializing():
-            self.sow("intermediates", "draws", {"applied": apply, "lam": lam, "perm": perm})
+        # Recorded only when the caller makes 'intermediates' mutable (tests, debugging);
+        # Linen's init leaves that collection out by default.
+        self.sow("intermediates", "draws", {"applied": apply, "lam": lam, "perm": perm})
         return jnp.where(apply, mixed, x)
