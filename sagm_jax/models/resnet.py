@@ -33,6 +33,7 @@ torchvision's keys in ``torchvision_weights`` is mechanical.
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import jax
@@ -54,13 +55,13 @@ STAGE_WIDTHS = (64, 128, 256, 512)
 EXPANSION = {"basic": 1, "bottleneck": 4}
 MIXSTYLE_STAGES = (1, 2, 3)
 
-# torchvision's init for training from scratch: kaiming_normal_(fan_out, relu), untruncated.
+# torchvision's init for training from scratch: kaiming_normal_(fan_out, relu); JAX's "normal" is untruncated.
 conv_init = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
 
 
 def torch_linear_init(fan_in: int):
     """torch.nn.Linear's default init, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), for kernel and bias."""
-    bound = 1.0 / jnp.sqrt(fan_in)
+    bound = 1.0 / math.sqrt(fan_in)
 
     def init(key, shape, dtype=jnp.float32):
         return jax.random.uniform(key, shape, dtype, -bound, bound)
