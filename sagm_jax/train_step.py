@@ -54,12 +54,15 @@ def cross_entropy(logits, labels) -> jax.Array:
 
 def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExtraArgs, *,
                     algorithm: str, use_mixstyle: bool = False, train_batchnorm: bool = False,
-                    shared_dropout: bool = False, compute_dtype=jnp.float32):
+                    shared_dropout: bool = False, compute_dtype=jnp.float32,
+                    axis_name: str | None = None):
   """Returns ``train_step(state, batch, key) -> (state, metrics)``, pure and jittable.
 
   ``batch`` holds ``image`` [B, H, W, C] and ``label`` [B]. With ``compute_dtype``
   bfloat16 the parameters and images are cast for the forward and backward
-  passes; the parameters, the optimizer and the loss stay in float32.
+  passes; the parameters, the optimizer and the loss stay in float32. Inside
+  ``shard_map`` (the per-device perturbation), ``axis_name`` averages the reported
+  loss and trained BatchNorm statistics over devices.
   """
   clean_mixstyle = use_mixstyle and algorithm != "sagm"
 
@@ -89,6 +92,8 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExt
 
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params,
                                           grad_fn=grad_fn)
+    if axis_name is not None:
+      loss, batch_stats = jax.lax.pmean((loss, batch_stats), axis_name)
     state = state.replace(step=state.step + 1,
                           params=optax.apply_updates(state.params, updates),
                           batch_stats=batch_stats, opt_state=opt_state)
