@@ -62,7 +62,10 @@ def load_runs(input_dir: str) -> tuple[list[Run], list[str]]:
     if "results.jsonl" in files:
       path = os.path.join(folder, "results.jsonl")
       with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+        try:
+          records = [json.loads(line) for line in f if line.strip()]
+        except json.JSONDecodeError as error:
+          raise ValueError(f"{path}: not JSON lines ({error}).") from None
       for record in records:
         if "config" not in record or "args" not in record:
           raise ValueError(f"{path}: a record lacks 'args' or 'config'; expected records "

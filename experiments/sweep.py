@@ -152,6 +152,13 @@ def render(value) -> str:
 def make_jobs(datasets, algorithms, test_envs, trial_seeds, grid, fixed, output_dir) -> list[Job]:
   """The sweep's jobs, in a fixed order. ``grid`` maps keys to value lists; ``fixed``
   maps keys to one value each (``--set``)."""
+  # The sweep itself sets these (and the grid its keys); a --set of one would give
+  # several jobs the same arguments.
+  clash = sorted(set(fixed) & ({"config", "algorithm", "test_envs", "trial_seed", "seed"}
+                               | set(grid)))
+  if clash:
+    raise ValueError(f"--set {', '.join(clash)}: set by the sweep's own options "
+                     "(--algorithms, --test_envs, --trial_seeds, --grid / --hparams).")
   jobs = []
   for dataset in datasets:
     if dataset not in CONFIG_FILES:

@@ -201,3 +201,8 @@ def test_bad_input_names_the_problem(tmp_path):
   with pytest.raises(ValueError, match="'best'"):
     collect_results.build_report(str(tmp_path / "s"), "best")
   assert collect_results.main(["--input_dir", str(tmp_path / "nowhere")]) == 2
+  bad = tmp_path / "bad" / "run"
+  bad.mkdir(parents=True)
+  (bad / "results.jsonl").write_text("{not json\n")
+  with pytest.raises(ValueError, match="results.jsonl: not JSON lines"):
+    collect_results.build_report(str(tmp_path / "bad"))

@@ -54,6 +54,8 @@ def test_test_env_sets_and_value_parsing():
   assert sweep.parse_assignments(["arch=resnet50"], "--set") == {"arch": ["resnet50"]}
   with pytest.raises(ValueError, match="'lr'"):
     sweep.parse_assignments(["lr"], "--grid")
+  with pytest.raises(ValueError, match="--set lr"):
+    jobs_for("out", fixed={"lr": 1e-3})
 
 
 # A stand-in for the training command where the test is about the launcher's
