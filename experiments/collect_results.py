@@ -237,6 +237,9 @@ def env_labels(runs: list[Run], input_dir: str) -> dict:
 def build_report(input_dir: str, selection_name: str = "training_domain",
                  latex: bool = False) -> str:
   """The whole report (tables and notes) as one string."""
+  if selection_name not in selection.RUN_SELECTIONS:
+    raise ValueError(f"--selection {selection_name!r}: expected one of "
+                     f"{', '.join(selection.RUN_SELECTIONS)}.")
   runs, not_started = load_runs(input_dir)
   finished = [r for r in runs if r.done]
   incomplete = sorted(r.path for r in runs if not r.done)
