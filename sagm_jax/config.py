@@ -42,6 +42,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.freeze_batchnorm = True
   c.mixstyle = False
   c.mixstyle_after = (1, 2, 3)
+  c.cnn_widths = (64, 128, 128, 128)  # the MNIST CNN's conv widths (DomainBed's)
   # Optimizer (see sagm_jax.optimizers.paper_optimizer).
   c.algorithm = "sagm"
   c.lr = 3e-5

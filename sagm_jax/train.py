@@ -63,7 +63,7 @@ def model_from_config(config, dataset, key):
       config.arch, dataset.num_classes, dropout_rate=config.dropout,
       freeze_batchnorm=config.freeze_batchnorm,
       mixstyle_after=tuple(config.mixstyle_after) if config.mixstyle else (),
-      input_channels=dataset.input_shape[-1])
+      input_channels=dataset.input_shape[-1], cnn_widths=tuple(config.cnn_widths))
   sample = jnp.zeros((1, *dataset.input_shape), jnp.float32)
   variables = model.init(key, sample, train=False)
   weights = {"file": None, "sha256": None}
@@ -245,46 +245,48 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
   loss_sum, loss_count = jnp.zeros([], jnp.float32), 0
   progress = tqdm(total=config.steps, initial=start, unit="step", disable=not is_main,
                   dynamic_ncols=True)
-  for t in range(start, config.steps):
-    state, metrics = train_step(state, data_lib.to_global_batch(next(batches), mesh), step_key)
-    loss_sum, loss_count = loss_sum + metrics["loss"], loss_count + 1
-    progress.update(1)
-    if t % config.log_every == 0:
-      loss = float(metrics["loss"])
-      if not np.isfinite(loss):
-        _stop_non_finite(workdir, t, loss, latest)
-      progress.set_postfix(loss=f"{loss:.4f}")
-      writer.write_scalars(t, {"train/loss": loss})
-    if t % config.eval_every == 0 or t == config.steps - 1:
-      mean_loss = float(loss_sum) / loss_count
-      if not (np.isfinite(mean_loss) and _all_finite(state.params)):
-        _stop_non_finite(workdir, t, mean_loss, latest)
-      record = {"step": t, "loss": mean_loss,
-                "epoch": (t + 1) * config.batch_per_env / min(
-                    len(dataset.splits[e]["in"]) for e in train_envs),
-                **evaluate(eval_step, state, dataset, mesh, config, train_envs),
-                "args": {"dataset": config.dataset, "algorithm": config.algorithm,
-                         "test_envs": test_envs, "trial_seed": config.trial_seed,
-                         "seed": config.seed, "output_dir": os.path.abspath(workdir)},
-                "hparams": {k: config_dict[k] for k in (
-                    "lr", "weight_decay", "dropout", "rho", "alpha", "batch_per_env",
-                    "combine", "mixstyle", "perturbation")},
-                "config": config_dict}
-      if is_main:
-        _append_record(workdir, record)
-      records.append(record)
-      writer.write_scalars(t, {k: v for k, v in record.items() if k.endswith("_acc")})
-      if latest is not None:
-        latest.save(t + 1, args=ocp.args.StandardSave(state))
-        validation = _validation(record, train_envs)
-        if validation > best_validation:
-          best_validation = validation
-          best.save(t + 1, args=ocp.args.StandardSave(state))
-      loss_sum, loss_count = jnp.zeros([], jnp.float32), 0
-  progress.close()
-  if latest is not None:
-    latest.wait_until_finished()
-    best.wait_until_finished()
+  try:
+    for t in range(start, config.steps):
+      state, metrics = train_step(state, data_lib.to_global_batch(next(batches), mesh), step_key)
+      loss_sum, loss_count = loss_sum + metrics["loss"], loss_count + 1
+      progress.update(1)
+      if t % config.log_every == 0:
+        loss = float(metrics["loss"])
+        if not np.isfinite(loss):
+          _stop_non_finite(workdir, t, loss, latest)
+        progress.set_postfix(loss=f"{loss:.4f}")
+        writer.write_scalars(t, {"train/loss": loss})
+      if t % config.eval_every == 0 or t == config.steps - 1:
+        mean_loss = float(loss_sum) / loss_count
+        if not (np.isfinite(mean_loss) and _all_finite(state.params)):
+          _stop_non_finite(workdir, t, mean_loss, latest)
+        record = {"step": t, "loss": mean_loss,
+                  "epoch": (t + 1) * config.batch_per_env / min(
+                      len(dataset.splits[e]["in"]) for e in train_envs),
+                  **evaluate(eval_step, state, dataset, mesh, config, train_envs),
+                  "args": {"dataset": config.dataset, "algorithm": config.algorithm,
+                           "test_envs": test_envs, "trial_seed": config.trial_seed,
+                           "seed": config.seed, "output_dir": os.path.abspath(workdir)},
+                  "hparams": {k: config_dict[k] for k in (
+                      "lr", "weight_decay", "dropout", "rho", "alpha", "batch_per_env",
+                      "combine", "mixstyle", "perturbation")},
+                  "config": config_dict}
+        if is_main:
+          _append_record(workdir, record)
+        records.append(record)
+        writer.write_scalars(t, {k: v for k, v in record.items() if k.endswith("_acc")})
+        if latest is not None:
+          latest.save(t + 1, args=ocp.args.StandardSave(state))
+          validation = _validation(record, train_envs)
+          if validation > best_validation:
+            best_validation = validation
+            best.save(t + 1, args=ocp.args.StandardSave(state))
+        loss_sum, loss_count = jnp.zeros([], jnp.float32), 0
+  finally:  # a pending asynchronous save completes even when the loop fails
+    progress.close()
+    if latest is not None:
+      latest.wait_until_finished()
+      best.wait_until_finished()
   writer.flush()
   if is_main:
     with open(os.path.join(workdir, DONE), "w") as f:
@@ -298,6 +300,8 @@ def _validation(record: dict, train_envs) -> float:
 
 
 def _stop_non_finite(workdir, step, loss, latest):
+  if latest is not None:
+    latest.wait_until_finished()
   kept = "no checkpoint yet" if latest is None or latest.latest_step() is None else (
       f"the last good checkpoint, step {latest.latest_step()}, is kept in "
       f"{os.path.join(workdir, 'checkpoints', 'latest')}")

@@ -55,9 +55,11 @@ def create(
     freeze_batchnorm: bool = True,
     mixstyle_after: tuple[int, ...] = (),
     input_channels: int = 3,
+    cnn_widths: tuple[int, ...] | None = None,
 ) -> nn.Module:
     """The network ``arch`` (one of ``ARCHS``) with a fresh ``num_classes``-way classifier.
 
+    ``cnn_widths`` sets the MNIST CNN's four conv widths (DomainBed's by default).
     ``freeze_batchnorm`` and ``mixstyle_after`` (stages from 1, 2, 3) apply to the
     ResNets; the MNIST CNN has GroupNorm and no MixStyle, so it rejects a
     non-empty ``mixstyle_after``.
@@ -72,7 +74,9 @@ def create(
     if arch == "mnist_cnn":
         if mixstyle_after:
             raise ValueError(f"mnist_cnn has no MixStyle layers; got mixstyle_after={mixstyle_after}")
-        return MnistCNN(num_classes=num_classes, dropout_rate=dropout_rate, input_channels=input_channels)
+        widths = {} if cnn_widths is None else {"widths": tuple(cnn_widths)}
+        return MnistCNN(num_classes=num_classes, dropout_rate=dropout_rate,
+                        input_channels=input_channels, **widths)
     if bad := [stage for stage in mixstyle_after if stage not in MIXSTYLE_STAGES]:
         raise ValueError(f"mixstyle_after may only name ResNet stages {MIXSTYLE_STAGES}, got {bad}")
     return ResNet(

@@ -37,11 +37,15 @@ class MnistCNN(nn.Module):
       num_classes: outputs of the linear head.
       dropout_rate: dropout on the 128-d feature in training (0 disables it).
       input_channels: channels of the images (1 RotatedMNIST, 2 ColoredMNIST).
+      widths: output channels of the four convolutions; DomainBed's (64, 128, 128,
+        128) by default. Narrower widths (multiples of 8, for GroupNorm) make the
+        offline CPU demo fast; they are not DomainBed's network.
     """
 
     num_classes: int
     dropout_rate: float = 0.0
     input_channels: int = 1
+    widths: tuple[int, ...] = tuple(features for features, _ in CONV_LAYERS)
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool, mixstyle: bool = False) -> jax.Array:
@@ -53,7 +57,10 @@ class MnistCNN(nn.Module):
                 f"MnistCNN built for {self.input_channels} input channels got images of shape "
                 f"{x.shape} (NHWC expected)"
             )
-        for index, (features, stride) in enumerate(CONV_LAYERS, start=1):
+        if len(self.widths) != len(CONV_LAYERS) or any(w % GROUPNORM_GROUPS for w in self.widths):
+            raise ValueError(f"MnistCNN widths must be {len(CONV_LAYERS)} multiples of "
+                             f"{GROUPNORM_GROUPS}, got {self.widths}")
+        for index, (features, (_, stride)) in enumerate(zip(self.widths, CONV_LAYERS), start=1):
             fan_in = 9 * x.shape[-1]
             x = nn.Conv(
                 features,
