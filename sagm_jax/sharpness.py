@@ -13,7 +13,7 @@ count, so a padded, masked last batch weighs exactly its real examples.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -28,8 +28,9 @@ def sharpness(loss_fn: Callable, params, batches: Iterable, rhos: Sequence[float
       per-example losses of the batch and the number of examples counted
       (the mask's sum for a padded batch). It is jitted here.
     params: the point ``w``.
-    batches: the dataset ``D``, iterated once per rho plus once (a list, or
-      anything that can be iterated several times).
+    batches: the dataset ``D``, iterated once per rho plus once: a list, or a
+      re-iterable whose ``__iter__`` starts a fresh pass (a one-shot iterator is
+      read into a list first).
     rhos: the radii.
     eps: added to ``||g||`` so a zero gradient gives ``h = 0``.
 
@@ -37,8 +38,9 @@ def sharpness(loss_fn: Callable, params, batches: Iterable, rhos: Sequence[float
     ``{"loss": L_D(w), "grad_norm": ||g||, "rho": [...], "sharpness": [h_rho, ...]}``
     as Python floats (accumulated in float64 on the host).
   """
-  batches = list(batches) if not isinstance(batches, (list, tuple)) else batches
-  if not batches:
+  if isinstance(batches, Iterator):
+    batches = list(batches)
+  if not any(True for _ in batches):
     raise ValueError("sharpness() needs at least one batch of the dataset D.")
   sum_and_count = jax.jit(loss_fn)
   value_and_grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))

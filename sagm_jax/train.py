@@ -56,9 +56,10 @@ def optimizer_from_config(config: ml_collections.ConfigDict, axis_name=None):
       axis_name=axis_name if config.perturbation == "per_device" else None)
 
 
-def model_from_config(config, dataset, key):
-  """The network and its variables; ResNets get the pretrained backbone. Returns
-  ``(model, variables, weights_info)``."""
+def model_from_config(config, dataset, key, pretrained: bool = True):
+  """The network and its variables, with the pretrained backbone of
+  ``config.pretrained_weights`` unless ``pretrained=False`` (the caller restores
+  a checkpoint instead). Returns ``(model, variables, weights_info)``."""
   model = models.create(
       config.arch, dataset.num_classes, dropout_rate=config.dropout,
       freeze_batchnorm=config.freeze_batchnorm,
@@ -67,7 +68,7 @@ def model_from_config(config, dataset, key):
   sample = jnp.zeros((1, *dataset.input_shape), jnp.float32)
   variables = model.init(key, sample, train=False)
   weights = {"file": None, "sha256": None}
-  if config.pretrained_weights and config.pretrained_weights.lower() != "none":
+  if pretrained and config.pretrained_weights and config.pretrained_weights.lower() != "none":
     state_dict, sha256 = models.load_weights(config.pretrained_weights)
     converted = models.convert_torchvision(state_dict, arch=config.arch)
     variables = models.with_pretrained_backbone(variables, converted)

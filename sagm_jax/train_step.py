@@ -46,10 +46,14 @@ def create_train_state(variables, optimizer: optax.GradientTransformation) -> Tr
                     opt_state=optimizer.init(params))
 
 
+def per_example_cross_entropy(logits, labels) -> jax.Array:
+  """Cross-entropy of each example, computed in float32."""
+  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+
+
 def cross_entropy(logits, labels) -> jax.Array:
   """Mean cross-entropy over the batch, computed in float32."""
-  return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), labels))
+  return jnp.mean(per_example_cross_entropy(logits, labels))
 
 
 def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExtraArgs, *,
