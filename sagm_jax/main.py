@@ -1,7 +1,9 @@
 """Entry point: ``python -m sagm_jax.main --config=configs/pacs.py --workdir=DIR``.
 
-``--config.key=value`` overrides a config field; ``--distributed`` calls
-``jax.distributed.initialize()`` first (multi-host TPU pods and GPU clusters).
+``--config.key=value`` overrides a config field. ``--distributed`` calls
+``jax.distributed.initialize()`` first, one process per host: TPU pods and
+SLURM/Open MPI clusters are detected; elsewhere pass ``--coordinator_address``,
+``--num_processes`` and ``--process_id``.
 """
 
 import sys
@@ -17,6 +19,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (results, checkpo
                                required=True)
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False,
                                  "Call jax.distributed.initialize() (one process per host).")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
 
 
 def main(argv):
@@ -25,7 +30,10 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   import jax
   if _DISTRIBUTED.value:
-    jax.distributed.initialize()
+    # CPU processes (tests, CPU clusters) need a collectives backend; accelerators ignore it.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
+                               num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value)
   from sagm_jax import train
   train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
 

@@ -192,3 +192,30 @@ def test_batch_that_does_not_divide_among_devices_is_named(tmp_path):
 def test_test_envs_out_of_range_is_named(tmp_path):
   with pytest.raises(ValueError, match=r"config.test_envs=\(7,\).*0..5"):
     train.train_and_evaluate(digits_config(test_envs=(7,)), str(tmp_path))
+
+
+def test_two_processes_give_the_two_device_run(tmp_path):
+  """Multi-host through jax.distributed: two local CPU processes (gloo collectives),
+  one device each, against one process with two devices."""
+  overrides = ["--config.steps=3", "--config.eval_every=1", "--config.cnn_widths=16,32,32,32"]
+  env = _run_env()
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+  subprocess.run(_main_command(tmp_path / "single", *overrides), check=True, env=env, cwd=REPO,
+                 capture_output=True)
+  port = 20000 + os.getpid() % 20000
+  workers = [subprocess.Popen(
+      _main_command(tmp_path / "multi", *overrides, "--distributed",
+                    f"--coordinator_address=localhost:{port}", "--num_processes=2",
+                    f"--process_id={i}"),
+      env=_run_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      for i in range(2)]
+  outputs = [w.communicate(timeout=600)[0] for w in workers]
+  assert all(w.returncode == 0 for w in workers), outputs
+  single = train.read_records(str(tmp_path / "single"))
+  multi = train.read_records(str(tmp_path / "multi"))
+  assert [r["step"] for r in multi] == [0, 1, 2]
+  for a, b in zip(single, multi):
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    for key in a:
+      if key.endswith("_acc"):
+        assert a[key] == pytest.approx(b[key], abs=1.0 / 60), key

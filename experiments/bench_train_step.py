@@ -1,6 +1,6 @@
 """Train-step time of ERM, SAM, GSAM and SAGM on the same model and batch, in one run.
 
-    python experiments/bench_optimizers.py [--rounds 5] [--steps 5]
+    python experiments/bench_train_step.py [--rounds 5] [--steps 3] [--setups NAME ...]
 
 For each model, every algorithm's jitted step (sagm_jax.train_step, the one
 training uses) is compiled first; then the timing rounds interleave the
@@ -9,8 +9,11 @@ median over rounds of (round time / steps). Peak memory is XLA's buffer plan for
 the compiled step (arguments + outputs + temporaries, aliased donations counted
 once), from ``compiled.memory_analysis()``.
 
-Goals (issue 2): SAGM/SAM <= 1.03 (same two passes); SAGM/ERM <= 2.05 (two
-forward-backward passes are the floor).
+Goals: SAGM/SAM <= 1.03 (same two passes); SAGM/ERM <= 2.05 (two
+forward-backward passes are the floor). Setups: a small CNN (DomainBed's MNIST
+CNN) and ResNet-18 at a small resolution; the offline default's network and
+batch (configs/rotated_digits.py); ResNet-50 at 224 (the paper's model, a small
+batch on CPU; `--batch 96` for the paper's on an accelerator).
 """
 
 from __future__ import annotations
@@ -32,11 +35,15 @@ SETUPS = {
     # name: (arch, model kwargs, image shape, batch size)
     "mnist_cnn 28x28x1": ("mnist_cnn", {"input_channels": 1}, (28, 28, 1), 64),
     "resnet18 64x64x3": ("resnet18", {"dropout_rate": 0.5}, (64, 64, 3), 32),
+    "rotated_digits default": ("mnist_cnn", {"input_channels": 1, "cnn_widths": (16, 32, 32, 32)},
+                               (28, 28, 1), 80),
+    "resnet50 224x224x3": ("resnet50", {"dropout_rate": 0.5}, (224, 224, 3), 8),
 }
 
 
-def bench_setup(name, rounds, steps):
-  arch, kwargs, shape, batch_size = SETUPS[name]
+def bench_setup(name, rounds, steps, batch_size=None, compute_dtype="float32"):
+  arch, kwargs, shape, default_batch = SETUPS[name]
+  batch_size = batch_size or default_batch
   model = models.create(arch, 10, **kwargs)
   rng = np.random.default_rng(0)
   batch = {"image": jnp.asarray(rng.normal(size=(batch_size, *shape)), jnp.float32),
@@ -47,7 +54,8 @@ def bench_setup(name, rounds, steps):
   runs = {}
   for algorithm in ALGORITHMS:
     opt = sagm_jax.paper_optimizer(algorithm, learning_rate=1e-5, weight_decay=1e-4)
-    step = jax.jit(make_train_step(model, opt, algorithm=algorithm), donate_argnums=0)
+    step = jax.jit(make_train_step(model, opt, algorithm=algorithm,
+                                   compute_dtype=jnp.dtype(compute_dtype)), donate_argnums=0)
     # A copy each: the step donates its state, and the algorithms must not share buffers.
     state = create_train_state(jax.tree.map(jnp.copy, variables), opt)
     compiled = step.lower(state, batch, key).compile()
@@ -75,23 +83,26 @@ def bench_setup(name, rounds, steps):
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rounds", type=int, default=5)
-  parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--setups", nargs="*", default=list(SETUPS), choices=list(SETUPS))
+  parser.add_argument("--batch", type=int, default=None, help="override every setup's batch")
+  parser.add_argument("--compute_dtype", default="float32", choices=("float32", "bfloat16"))
   args = parser.parse_args()
   print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}, "
         f"{platform.processor() or platform.machine()}, jax {jax.__version__}; "
-        f"{args.rounds} interleaved rounds of {args.steps} steps")
-  print("| model | batch | algorithm | ms/step | peak MiB | vs ERM |")
-  print("|---|---|---|---|---|---|")
+        f"{args.rounds} interleaved rounds of {args.steps} steps, {args.compute_dtype}")
+  print("| model | batch | algorithm | ms/step | steps/s | examples/s | peak MiB | vs ERM |")
+  print("|---|---|---|---|---|---|---|---|")
   for name in args.setups:
-    results = bench_setup(name, args.rounds, args.steps)
+    batch = args.batch or SETUPS[name][3]
+    results = bench_setup(name, args.rounds, args.steps, batch, args.compute_dtype)
     erm_time = results["erm"][0]
     for algorithm, (seconds, peak) in results.items():
       peak_text = "n/a" if peak is None else f"{peak / 2**20:.1f}"
-      print(f"| {name} | {SETUPS[name][3]} | {algorithm} | {1e3 * seconds:.1f} | {peak_text} "
-            f"| {seconds / erm_time:.2f} |")
+      print(f"| {name} | {batch} | {algorithm} | {1e3 * seconds:.1f} | {1 / seconds:.2f} "
+            f"| {batch / seconds:.1f} | {peak_text} | {seconds / erm_time:.2f} |")
     print(f"| {name} | | SAGM/SAM = {results['sagm'][0] / results['sam'][0]:.3f} "
-          f"| SAGM/ERM = {results['sagm'][0] / erm_time:.3f} | | |")
+          f"| SAGM/ERM = {results['sagm'][0] / erm_time:.3f} | | | | |")
 
 
 if __name__ == "__main__":
