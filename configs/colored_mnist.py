@@ -1,10 +1,11 @@
 """SAGM on ColoredMNIST with DomainBed's MNIST settings. MNIST comes through
 tensorflow-datasets (`tfds.load('mnist')` downloads it once, with internet).
 """
+
 from sagm_jax.config import mnist_config
 
 
 def get_config():
-  config = mnist_config("ColoredMNIST")
-  config.test_envs = (2,)
-  return config
+    config = mnist_config("ColoredMNIST")
+    config.test_envs = (2,)
+    return config

@@ -5,14 +5,15 @@ a quarter-width MNIST CNN (16-32-32-32 instead of 64-128-128-128), with a
 smaller batch and fewer steps, so that it runs in a few minutes on a laptop CPU.
 `--config.cnn_widths=64,128,128,128` gives DomainBed's network.
 """
+
 from sagm_jax.config import mnist_config
 
 
 def get_config():
-  config = mnist_config("RotatedDigits")
-  config.test_envs = (0,)
-  config.cnn_widths = (16, 32, 32, 32)
-  config.batch_per_env = 16
-  config.steps = 301
-  config.eval_every = 50
-  return config
+    config = mnist_config("RotatedDigits")
+    config.test_envs = (0,)
+    config.cnn_widths = (16, 32, 32, 32)
+    config.batch_per_env = 16
+    config.steps = 301
+    config.eval_every = 50
+    return config

@@ -3,8 +3,9 @@
   python -m sagm_jax.main --config=configs/terra_incognita.py --workdir=runs/terra_incognita \
       --config.data_dir=DATA_DIR --config.pretrained_weights=resnet50-0676ba61.pth
 """
+
 from sagm_jax.config import paper_config
 
 
 def get_config():
-  return paper_config("TerraIncognita")
+    return paper_config("TerraIncognita")

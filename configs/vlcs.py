@@ -3,8 +3,9 @@
   python -m sagm_jax.main --config=configs/vlcs.py --workdir=runs/vlcs \
       --config.data_dir=DATA_DIR --config.pretrained_weights=resnet50-0676ba61.pth
 """
+
 from sagm_jax.config import paper_config
 
 
 def get_config():
-  return paper_config("VLCS")
+    return paper_config("VLCS")

@@ -10,6 +10,7 @@ ResNet-50 (see DEMAND below).
 
     python experiments/bench_input.py [--images_per_class 40] [--steps 30]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,9 +47,11 @@ def write_tree(root, width, height, images_per_class, domains=4, classes=7):
 
 def bench(root, steps, warmup, batch_per_env=32):
     import sagm_jax.data as data
+
     ds = data.load("ImageFolder", root, trial_seed=0, cache_dir=None)
-    it = ds.train_iterator([0, 1, 2], seed=0, batch_per_env=batch_per_env,
-                           process_index=0, process_count=1)
+    it = ds.train_iterator(
+        [0, 1, 2], seed=0, batch_per_env=batch_per_env, process_index=0, process_count=1
+    )
     batch = None
     for _ in range(warmup):
         batch = next(it)
@@ -75,8 +78,10 @@ def main():
         print(f"{name}: {rate:,.0f} images/s overall, {rate / cores:,.0f} images/s per core")
         for gpu, fwd_bwd in GPU_FWD_BWD_IMAGES_PER_S.items():
             demand = fwd_bwd / 2
-            print(f"  {gpu} SAGM demand ~{demand:,.0f} images/s -> needs ~{demand / (rate / cores):,.0f} "
-                  f"cores at this per-core rate")
+            print(
+                f"  {gpu} SAGM demand ~{demand:,.0f} images/s -> needs ~{demand / (rate / cores):,.0f} "
+                f"cores at this per-core rate"
+            )
 
 
 if __name__ == "__main__":

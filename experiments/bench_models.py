@@ -9,6 +9,7 @@ backward is the gradient of the mean cross-entropy with respect to all
 parameters in training mode (BatchNorm frozen, DomainBed's default; dropout 0.5
 on the pooled feature). Prints a Markdown table and the device it ran on.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,9 @@ def seconds_per_call(function, *args, repeats: int) -> float:
     return statistics.median(times)
 
 
-def bench(arch: str, size: int, batch: int, repeats: int, num_classes: int = 7) -> tuple[float, float]:
+def bench(
+    arch: str, size: int, batch: int, repeats: int, num_classes: int = 7
+) -> tuple[float, float]:
     model = models.create(arch, num_classes, dropout_rate=0.5)
     images = jax.random.normal(jax.random.PRNGKey(0), (batch, size, size, 3))
     labels = jnp.arange(batch) % num_classes
@@ -50,7 +53,9 @@ def bench(arch: str, size: int, batch: int, repeats: int, num_classes: int = 7) 
         return jax.grad(loss)(v["params"])
 
     forward_s = seconds_per_call(forward, variables, images, repeats=repeats)
-    backward_s = seconds_per_call(gradient, variables, images, labels, jax.random.PRNGKey(2), repeats=repeats)
+    backward_s = seconds_per_call(
+        gradient, variables, images, labels, jax.random.PRNGKey(2), repeats=repeats
+    )
     return batch / forward_s, batch / backward_s
 
 
@@ -62,8 +67,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     device = jax.devices()[0]
-    print(f"jax {jax.__version__}, {device.platform} {device.device_kind}, {jax.device_count()} device(s), "
-          f"{platform.processor() or platform.machine()}, batch {args.batch}, median of {args.repeats}")
+    print(
+        f"jax {jax.__version__}, {device.platform} {device.device_kind}, {jax.device_count()} device(s), "
+        f"{platform.processor() or platform.machine()}, batch {args.batch}, median of {args.repeats}"
+    )
     print("| arch | image size | forward img/s | forward+backward img/s |")
     print("|---|---|---|---|")
     for arch in args.archs:

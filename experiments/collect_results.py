@@ -27,6 +27,7 @@ Tables (accuracy in %):
 A cell with no runs is "-"; a cell over fewer trial seeds than the dataset has in the
 sweep shows "(k/n)"; an average including such a cell shows "(partial)".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,13 @@ from sagm_jax import selection  # noqa: E402
 
 PAPER_DATASETS = ("PACS", "VLCS", "OfficeHome", "TerraIncognita", "DomainNet")
 ALGORITHM_ORDER = ("erm", "sam", "gsam", "erm_sam", "sagm")
-ALGORITHM_NAMES = {"erm": "ERM", "sam": "SAM", "gsam": "GSAM", "erm_sam": "ERM + SAM",
-                   "sagm": "SAGM"}
+ALGORITHM_NAMES = {
+    "erm": "ERM",
+    "sam": "SAM",
+    "gsam": "GSAM",
+    "erm_sam": "ERM + SAM",
+    "sagm": "SAGM",
+}
 ABLATION_ALGORITHMS = ("erm", "sam", "erm_sam", "sagm")
 MIXSTYLE = " + MixStyle"
 NOT_TEST_KEYS = ("test_envs", "all_test_envs")  # what differs between runs of one setting
@@ -53,80 +59,91 @@ Run = collections.namedtuple("Run", "path done records")
 
 
 def load_runs(input_dir: str) -> tuple[list[Run], list[str]]:
-  """Every run under ``input_dir`` (a folder holding ``results.jsonl``), and the job
-  folders that have an ``args.json`` but no records yet (never started)."""
-  if not os.path.isdir(input_dir):
-    raise FileNotFoundError(f"--input_dir {input_dir}: no such directory.")
-  runs, not_started = [], []
-  for folder, _, files in sorted(os.walk(input_dir)):
-    if "results.jsonl" in files:
-      path = os.path.join(folder, "results.jsonl")
-      with open(path) as f:
-        try:
-          records = [json.loads(line) for line in f if line.strip()]
-        except json.JSONDecodeError as error:
-          raise ValueError(f"{path}: not JSON lines ({error}).") from None
-      for record in records:
-        if "config" not in record or "args" not in record:
-          raise ValueError(f"{path}: a record lacks 'args' or 'config'; expected records "
-                           "written by sagm_jax.train.")
-      if records:
-        runs.append(Run(os.path.relpath(folder, input_dir), "done" in files, records))
-      else:
-        not_started.append(os.path.relpath(folder, input_dir))
-    elif "args.json" in files:
-      not_started.append(os.path.relpath(folder, input_dir))
-  if not runs:
-    raise ValueError(f"--input_dir {input_dir}: no results.jsonl with records under it.")
-  return runs, not_started
+    """Every run under ``input_dir`` (a folder holding ``results.jsonl``), and the job
+    folders that have an ``args.json`` but no records yet (never started)."""
+    if not os.path.isdir(input_dir):
+        raise FileNotFoundError(f"--input_dir {input_dir}: no such directory.")
+    runs, not_started = [], []
+    for folder, _, files in sorted(os.walk(input_dir)):
+        if "results.jsonl" in files:
+            path = os.path.join(folder, "results.jsonl")
+            with open(path) as f:
+                try:
+                    records = [json.loads(line) for line in f if line.strip()]
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{path}: not JSON lines ({error}).") from None
+            for record in records:
+                if "config" not in record or "args" not in record:
+                    raise ValueError(
+                        f"{path}: a record lacks 'args' or 'config'; expected records "
+                        "written by sagm_jax.train."
+                    )
+            if records:
+                runs.append(Run(os.path.relpath(folder, input_dir), "done" in files, records))
+            else:
+                not_started.append(os.path.relpath(folder, input_dir))
+        elif "args.json" in files:
+            not_started.append(os.path.relpath(folder, input_dir))
+    if not runs:
+        raise ValueError(f"--input_dir {input_dir}: no results.jsonl with records under it.")
+    return runs, not_started
 
 
 def method_name(record: dict) -> str:
-  algorithm = record["args"]["algorithm"]
-  return ALGORITHM_NAMES.get(algorithm, algorithm) + (MIXSTYLE if record["config"].get(
-      "mixstyle") else "")
+    algorithm = record["args"]["algorithm"]
+    return ALGORITHM_NAMES.get(algorithm, algorithm) + (
+        MIXSTYLE if record["config"].get("mixstyle") else ""
+    )
 
 
 def setting_key(record: dict) -> str:
-  return json.dumps({k: v for k, v in record["config"].items() if k not in NOT_TEST_KEYS},
-                    sort_keys=True)
+    return json.dumps(
+        {k: v for k, v in record["config"].items() if k not in NOT_TEST_KEYS}, sort_keys=True
+    )
 
 
 def group_runs(runs: list[Run]) -> dict:
-  """``{(split, dataset, method, trial_seed, t): {setting: {test_envs: records}}}``."""
-  groups = collections.defaultdict(dict)
-  where = {}
-  for run in runs:
-    first = run.records[0]
-    args = first["args"]
-    test_envs = tuple(sorted(int(e) for e in args["test_envs"]))
-    split = first["config"].get("split", "domainbed")
-    for t in test_envs:
-      group = (split, args["dataset"], method_name(first), int(args["trial_seed"]), t)
-      setting = groups[group].setdefault(setting_key(first), {})
-      if test_envs in setting:
-        raise ValueError(f"runs {where[group, setting_key(first), test_envs]} and {run.path} "
-                         "have the same config and test environments; remove one.")
-      setting[test_envs] = run.records
-      where[group, setting_key(first), test_envs] = run.path
-  return groups
+    """``{(split, dataset, method, trial_seed, t): {setting: {test_envs: records}}}``."""
+    groups = collections.defaultdict(dict)
+    where = {}
+    for run in runs:
+        first = run.records[0]
+        args = first["args"]
+        test_envs = tuple(sorted(int(e) for e in args["test_envs"]))
+        split = first["config"].get("split", "domainbed")
+        for t in test_envs:
+            group = (split, args["dataset"], method_name(first), int(args["trial_seed"]), t)
+            setting = groups[group].setdefault(setting_key(first), {})
+            if test_envs in setting:
+                raise ValueError(
+                    f"runs {where[group, setting_key(first), test_envs]} and {run.path} "
+                    "have the same config and test environments; remove one."
+                )
+            setting[test_envs] = run.records
+            where[group, setting_key(first), test_envs] = run.path
+    return groups
 
 
 def select(groups: dict, selection_name: str) -> dict:
-  """``{(split, dataset, method, trial_seed, t): test accuracy}`` of the chosen models;
-  in-domain groups are scored by ``selection.in_domain_run``."""
-  if selection_name not in selection.RUN_SELECTIONS:
-    raise ValueError(f"--selection {selection_name!r}: expected one of "
-                     f"{', '.join(selection.RUN_SELECTIONS)}.")
-  chosen = {}
-  for group, settings in groups.items():
-    run_selection = (selection.in_domain_run if group[0] == "in_domain"
-                     else selection.RUN_SELECTIONS[selection_name])
-    settings = dict(sorted(settings.items()))
-    choice = selection.sweep_selection(run_selection, settings, group[-1])
-    if choice is not None:
-      chosen[group] = choice["test_acc"]
-  return chosen
+    """``{(split, dataset, method, trial_seed, t): test accuracy}`` of the chosen models;
+    in-domain groups are scored by ``selection.in_domain_run``."""
+    if selection_name not in selection.RUN_SELECTIONS:
+        raise ValueError(
+            f"--selection {selection_name!r}: expected one of "
+            f"{', '.join(selection.RUN_SELECTIONS)}."
+        )
+    chosen = {}
+    for group, settings in groups.items():
+        run_selection = (
+            selection.in_domain_run
+            if group[0] == "in_domain"
+            else selection.RUN_SELECTIONS[selection_name]
+        )
+        settings = dict(sorted(settings.items()))
+        choice = selection.sweep_selection(run_selection, settings, group[-1])
+        if choice is not None:
+            chosen[group] = choice["test_acc"]
+    return chosen
 
 
 # --- Cells ---------------------------------------------------------------------
@@ -135,206 +152,271 @@ Cell = collections.namedtuple("Cell", "mean se n expected")  # mean, se in %; n 
 
 
 def mean_and_se(values, expected: int) -> Cell | None:
-  if not values:
-    return None
-  x = 100 * np.asarray(values, dtype=np.float64)
-  return Cell(float(np.mean(x)), float(np.std(x) / np.sqrt(len(x))), len(x), expected)
+    if not values:
+        return None
+    x = 100 * np.asarray(values, dtype=np.float64)
+    return Cell(float(np.mean(x)), float(np.std(x) / np.sqrt(len(x))), len(x), expected)
 
 
 class Sweep:
-  """The selected accuracies of one split, with what the sweep should contain."""
+    """The selected accuracies of one split, with what the sweep should contain."""
 
-  def __init__(self, chosen: dict, groups: dict, split: str):
-    self.acc = {k[1:]: v for k, v in chosen.items() if k[0] == split}
-    # A test environment of the sweep is one that some single-test-env run holds out
-    # (pair runs also join the group of their second environment).
-    keys = [k[1:] for k, settings in groups.items() if k[0] == split
-            and any((k[-1],) in runs for runs in settings.values())]
-    self.datasets = sorted({k[0] for k in keys}, key=dataset_order)
-    self.seeds = {d: sorted({k[2] for k in keys if k[0] == d}) for d in self.datasets}
-    self.test_envs = {d: sorted({k[3] for k in keys if k[0] == d}) for d in self.datasets}
-    self.methods = sorted({k[1] for k in keys}, key=method_order)
+    def __init__(self, chosen: dict, groups: dict, split: str):
+        self.acc = {k[1:]: v for k, v in chosen.items() if k[0] == split}
+        # A test environment of the sweep is one that some single-test-env run holds out
+        # (pair runs also join the group of their second environment).
+        keys = [
+            k[1:]
+            for k, settings in groups.items()
+            if k[0] == split and any((k[-1],) in runs for runs in settings.values())
+        ]
+        self.datasets = sorted({k[0] for k in keys}, key=dataset_order)
+        self.seeds = {d: sorted({k[2] for k in keys if k[0] == d}) for d in self.datasets}
+        self.test_envs = {d: sorted({k[3] for k in keys if k[0] == d}) for d in self.datasets}
+        self.methods = sorted({k[1] for k in keys}, key=method_order)
 
-  def env_cell(self, dataset, method, env) -> Cell | None:
-    values = [self.acc[dataset, method, s, env] for s in self.seeds[dataset]
-              if (dataset, method, s, env) in self.acc]
-    return mean_and_se(values, len(self.seeds[dataset]))
+    def env_cell(self, dataset, method, env) -> Cell | None:
+        values = [
+            self.acc[dataset, method, s, env]
+            for s in self.seeds[dataset]
+            if (dataset, method, s, env) in self.acc
+        ]
+        return mean_and_se(values, len(self.seeds[dataset]))
 
-  def dataset_cell(self, dataset, method) -> Cell | None:
-    """Per seed the mean over ALL the dataset's test environments; incomplete seeds
-    are not averaged in (the cell then shows how many seeds it has)."""
-    per_seed = []
-    for seed in self.seeds.get(dataset, []):
-      accs = [self.acc.get((dataset, method, seed, env)) for env in self.test_envs[dataset]]
-      if None not in accs:
-        per_seed.append(np.mean(accs))
-    return mean_and_se(per_seed, len(self.seeds.get(dataset, [])))
+    def dataset_cell(self, dataset, method) -> Cell | None:
+        """Per seed the mean over ALL the dataset's test environments; incomplete seeds
+        are not averaged in (the cell then shows how many seeds it has)."""
+        per_seed = []
+        for seed in self.seeds.get(dataset, []):
+            accs = [self.acc.get((dataset, method, seed, env)) for env in self.test_envs[dataset]]
+            if None not in accs:
+                per_seed.append(np.mean(accs))
+        return mean_and_se(per_seed, len(self.seeds.get(dataset, [])))
 
 
 def dataset_order(name: str):
-  return (PAPER_DATASETS.index(name), "") if name in PAPER_DATASETS else (len(PAPER_DATASETS),
-                                                                          name)
+    return (
+        (PAPER_DATASETS.index(name), "") if name in PAPER_DATASETS else (len(PAPER_DATASETS), name)
+    )
 
 
 def method_order(name: str):
-  base = name[:-len(MIXSTYLE)] if name.endswith(MIXSTYLE) else name
-  algorithm = next((a for a, n in ALGORITHM_NAMES.items() if n == base), None)
-  rank = ALGORITHM_ORDER.index(algorithm) if algorithm else len(ALGORITHM_ORDER)
-  return (rank, base, name.endswith(MIXSTYLE))
+    base = name[: -len(MIXSTYLE)] if name.endswith(MIXSTYLE) else name
+    algorithm = next((a for a, n in ALGORITHM_NAMES.items() if n == base), None)
+    rank = ALGORITHM_ORDER.index(algorithm) if algorithm else len(ALGORITHM_ORDER)
+    return (rank, base, name.endswith(MIXSTYLE))
 
 
 def format_cell(cell: Cell | None, latex: bool) -> str:
-  if cell is None:
-    return "-"
-  pm = " $\\pm$ " if latex else " ± "
-  text = f"{cell.mean:.1f}{pm}{cell.se:.1f}"
-  return text + (f" ({cell.n}/{cell.expected})" if cell.n < cell.expected else "")
+    if cell is None:
+        return "-"
+    pm = " $\\pm$ " if latex else " ± "
+    text = f"{cell.mean:.1f}{pm}{cell.se:.1f}"
+    return text + (f" ({cell.n}/{cell.expected})" if cell.n < cell.expected else "")
 
 
 def format_average(cells: list, latex: bool) -> str:
-  """The mean of the entries (DomainBed's "Avg": no error bar); "-" if any is missing."""
-  if not cells or any(c is None for c in cells):
-    return "-"
-  partial = any(c.n < c.expected for c in cells)
-  return f"{np.mean([c.mean for c in cells]):.1f}" + (" (partial)" if partial else "")
+    """The mean of the entries (DomainBed's "Avg": no error bar); "-" if any is missing."""
+    if not cells or any(c is None for c in cells):
+        return "-"
+    partial = any(c.n < c.expected for c in cells)
+    return f"{np.mean([c.mean for c in cells]):.1f}" + (" (partial)" if partial else "")
 
 
 # --- Rendering -----------------------------------------------------------------
 
+
 def latex_escape(text: str) -> str:
-  for char in "\\&%$#_{}":
-    text = text.replace(char, "\\" + char)
-  return text
+    for char in "\\&%$#_{}":
+        text = text.replace(char, "\\" + char)
+    return text
 
 
 def render_table(title: str, header: list[str], rows: list[list[str]], latex: bool) -> str:
-  if latex:
-    lines = ["\\begin{table}[h]", "\\centering", f"\\caption{{{latex_escape(title)}}}",
-             "\\begin{tabular}{l" + "c" * (len(header) - 1) + "}", "\\toprule",
-             " & ".join(latex_escape(h) for h in header) + " \\\\", "\\midrule"]
-    lines += [" & ".join([latex_escape(row[0]), *row[1:]]) + " \\\\" for row in rows]
-    lines += ["\\bottomrule", "\\end{tabular}", "\\end{table}"]
-  else:
-    lines = [f"### {title}", "", "| " + " | ".join(header) + " |",
-             "|" + "|".join(["---"] + [":-:"] * (len(header) - 1)) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-  return "\n".join(lines)
+    if latex:
+        lines = [
+            "\\begin{table}[h]",
+            "\\centering",
+            f"\\caption{{{latex_escape(title)}}}",
+            "\\begin{tabular}{l" + "c" * (len(header) - 1) + "}",
+            "\\toprule",
+            " & ".join(latex_escape(h) for h in header) + " \\\\",
+            "\\midrule",
+        ]
+        lines += [" & ".join([latex_escape(row[0]), *row[1:]]) + " \\\\" for row in rows]
+        lines += ["\\bottomrule", "\\end{tabular}", "\\end{table}"]
+    else:
+        lines = [
+            f"### {title}",
+            "",
+            "| " + " | ".join(header) + " |",
+            "|" + "|".join(["---"] + [":-:"] * (len(header) - 1)) + "|",
+        ]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def env_labels(runs: list[Run], input_dir: str) -> dict:
-  """``{dataset: [env names]}`` from the runs' ``run_info.json`` (written by the
-  training loop); ``env{i}`` where none is found."""
-  labels = {}
-  for run in runs:
-    dataset = run.records[0]["args"]["dataset"]
-    info_path = os.path.join(input_dir, run.path, "run_info.json")
-    if dataset not in labels and os.path.exists(info_path):
-      with open(info_path) as f:
-        labels[dataset] = json.load(f).get("env_names")
-  return {d: names for d, names in labels.items() if names}
+    """``{dataset: [env names]}`` from the runs' ``run_info.json`` (written by the
+    training loop); ``env{i}`` where none is found."""
+    labels = {}
+    for run in runs:
+        dataset = run.records[0]["args"]["dataset"]
+        info_path = os.path.join(input_dir, run.path, "run_info.json")
+        if dataset not in labels and os.path.exists(info_path):
+            with open(info_path) as f:
+                labels[dataset] = json.load(f).get("env_names")
+    return {d: names for d, names in labels.items() if names}
 
 
-def build_report(input_dir: str, selection_name: str = "training_domain",
-                 latex: bool = False) -> str:
-  """The whole report (tables and notes) as one string."""
-  if selection_name not in selection.RUN_SELECTIONS:
-    raise ValueError(f"--selection {selection_name!r}: expected one of "
-                     f"{', '.join(selection.RUN_SELECTIONS)}.")
-  runs, not_started = load_runs(input_dir)
-  finished = [r for r in runs if r.done]
-  incomplete = sorted(r.path for r in runs if not r.done)
-  if not finished:
-    raise ValueError(f"--input_dir {input_dir}: no finished run (no 'done' file); "
-                     f"incomplete: {', '.join(incomplete)}.")
-  groups = group_runs(finished)
-  chosen = select(groups, selection_name)
-  ood, in_domain = Sweep(chosen, groups, "domainbed"), Sweep(chosen, groups, "in_domain")
-  labels = env_labels(finished, input_dir)
-  name = selection.SELECTION_NAMES[selection_name]
-  out = []
+def build_report(
+    input_dir: str, selection_name: str = "training_domain", latex: bool = False
+) -> str:
+    """The whole report (tables and notes) as one string."""
+    if selection_name not in selection.RUN_SELECTIONS:
+        raise ValueError(
+            f"--selection {selection_name!r}: expected one of "
+            f"{', '.join(selection.RUN_SELECTIONS)}."
+        )
+    runs, not_started = load_runs(input_dir)
+    finished = [r for r in runs if r.done]
+    incomplete = sorted(r.path for r in runs if not r.done)
+    if not finished:
+        raise ValueError(
+            f"--input_dir {input_dir}: no finished run (no 'done' file); "
+            f"incomplete: {', '.join(incomplete)}."
+        )
+    groups = group_runs(finished)
+    chosen = select(groups, selection_name)
+    ood, in_domain = Sweep(chosen, groups, "domainbed"), Sweep(chosen, groups, "in_domain")
+    labels = env_labels(finished, input_dir)
+    name = selection.SELECTION_NAMES[selection_name]
+    out = []
 
-  def comparison_table(title, methods):
-    header = ["Algorithm", *ood.datasets, "Avg"]
-    rows = []
-    for method in methods:
-      cells = [ood.dataset_cell(d, method) for d in ood.datasets]
-      rows.append([method, *[format_cell(c, latex) for c in cells], format_average(cells, latex)])
-    out.append(render_table(title, header, rows, latex))
+    def comparison_table(title, methods):
+        header = ["Algorithm", *ood.datasets, "Avg"]
+        rows = []
+        for method in methods:
+            cells = [ood.dataset_cell(d, method) for d in ood.datasets]
+            rows.append(
+                [method, *[format_cell(c, latex) for c in cells], format_average(cells, latex)]
+            )
+        out.append(render_table(title, header, rows, latex))
 
-  if ood.datasets:
-    comparison_table(f"Table 1: out-of-domain accuracy (%), model selection: {name}",
-                     ood.methods)
-    for dataset in ood.datasets:
-      names = labels.get(dataset)
-      header = ["Algorithm", *[names[e] if names else f"env{e}" for e in ood.test_envs[dataset]],
-                "Avg"]
-      rows = [[m, *[format_cell(ood.env_cell(dataset, m, e), latex)
-                    for e in ood.test_envs[dataset]],
-               format_cell(ood.dataset_cell(dataset, m), latex)] for m in ood.methods]
-      out.append(render_table(f"{dataset}: accuracy (%) per test environment, model "
-                              f"selection: {name}", header, rows, latex))
-  if in_domain.datasets:
-    header, rows = ["Algorithm"], []
-    for dataset in in_domain.datasets:
-      header += [f"{dataset} in-domain", f"{dataset} out-of-domain"]
-    for method in sorted(set(in_domain.methods) | set(ood.methods), key=method_order):
-      row = [method]
-      for dataset in in_domain.datasets:
-        row += [format_cell(in_domain.dataset_cell(dataset, method), latex),
-                format_cell(ood.dataset_cell(dataset, method) if dataset in ood.seeds
-                            else None, latex)]
-      rows.append(row)
-    out.append(render_table(
-        "Table 2: in-domain (60/20/20 split, training-domain validation) vs out-of-domain "
-        f"accuracy (%), out-of-domain model selection: {name}", header, rows, latex))
-  if ood.datasets:
-    ablation = [ALGORITHM_NAMES[a] for a in ABLATION_ALGORITHMS]
-    ablation += [m for m in ood.methods if m.endswith(MIXSTYLE)]
-    comparison_table(f"Table 3: ablation, out-of-domain accuracy (%), model selection: {name}",
-                     sorted(ablation, key=method_order))
+    if ood.datasets:
+        comparison_table(
+            f"Table 1: out-of-domain accuracy (%), model selection: {name}", ood.methods
+        )
+        for dataset in ood.datasets:
+            names = labels.get(dataset)
+            header = [
+                "Algorithm",
+                *[names[e] if names else f"env{e}" for e in ood.test_envs[dataset]],
+                "Avg",
+            ]
+            rows = [
+                [
+                    m,
+                    *[
+                        format_cell(ood.env_cell(dataset, m, e), latex)
+                        for e in ood.test_envs[dataset]
+                    ],
+                    format_cell(ood.dataset_cell(dataset, m), latex),
+                ]
+                for m in ood.methods
+            ]
+            out.append(
+                render_table(
+                    f"{dataset}: accuracy (%) per test environment, model selection: {name}",
+                    header,
+                    rows,
+                    latex,
+                )
+            )
+    if in_domain.datasets:
+        header, rows = ["Algorithm"], []
+        for dataset in in_domain.datasets:
+            header += [f"{dataset} in-domain", f"{dataset} out-of-domain"]
+        for method in sorted(set(in_domain.methods) | set(ood.methods), key=method_order):
+            row = [method]
+            for dataset in in_domain.datasets:
+                row += [
+                    format_cell(in_domain.dataset_cell(dataset, method), latex),
+                    format_cell(
+                        ood.dataset_cell(dataset, method) if dataset in ood.seeds else None, latex
+                    ),
+                ]
+            rows.append(row)
+        out.append(
+            render_table(
+                "Table 2: in-domain (60/20/20 split, training-domain validation) vs out-of-domain "
+                f"accuracy (%), out-of-domain model selection: {name}",
+                header,
+                rows,
+                latex,
+            )
+        )
+    if ood.datasets:
+        ablation = [ALGORITHM_NAMES[a] for a in ABLATION_ALGORITHMS]
+        ablation += [m for m in ood.methods if m.endswith(MIXSTYLE)]
+        comparison_table(
+            f"Table 3: ablation, out-of-domain accuracy (%), model selection: {name}",
+            sorted(ablation, key=method_order),
+        )
 
-  notes = [f"Model selection: {name}. Cells: mean ± standard error over trial seeds, "
-           "s.e. = np.std(x, ddof=0) / sqrt(n) (DomainBed's); a dataset's entry averages "
-           "its test environments per seed; '-' = no runs; (k/n) = over k of the n trial "
-           "seeds of that dataset in the sweep; (partial) = an average including such a cell."]
-  n_envs = {r.records[0]["args"]["dataset"]: sum(
-      1 for k in r.records[0] if k.startswith("env") and k.endswith("_out_acc")) for r in finished}
-  for sweep, kind in ((ood, "out-of-domain"), (in_domain, "in-domain")):
-    for dataset in sweep.datasets:
-      if len(sweep.test_envs[dataset]) < n_envs[dataset]:
-        notes.append(f"{dataset} ({kind}): test environments "
-                     f"{', '.join(map(str, sweep.test_envs[dataset]))} only, of {n_envs[dataset]}.")
-  if incomplete:
-    notes.append("Incomplete runs (no 'done'; left out): " + ", ".join(incomplete) + ".")
-  if not_started:
-    notes.append("Jobs without records (not started): " + ", ".join(sorted(not_started)) + ".")
-  if latex:
-    out += ["% " + latex_escape(n).replace("±", "$\\pm$") for n in notes]
-  else:
-    out += ["Notes:", "\n".join(f"- {n}" for n in notes)]
-  return "\n\n".join(out) + "\n"
+    notes = [
+        f"Model selection: {name}. Cells: mean ± standard error over trial seeds, "
+        "s.e. = np.std(x, ddof=0) / sqrt(n) (DomainBed's); a dataset's entry averages "
+        "its test environments per seed; '-' = no runs; (k/n) = over k of the n trial "
+        "seeds of that dataset in the sweep; (partial) = an average including such a cell."
+    ]
+    n_envs = {
+        r.records[0]["args"]["dataset"]: sum(
+            1 for k in r.records[0] if k.startswith("env") and k.endswith("_out_acc")
+        )
+        for r in finished
+    }
+    for sweep, kind in ((ood, "out-of-domain"), (in_domain, "in-domain")):
+        for dataset in sweep.datasets:
+            if len(sweep.test_envs[dataset]) < n_envs[dataset]:
+                notes.append(
+                    f"{dataset} ({kind}): test environments "
+                    f"{', '.join(map(str, sweep.test_envs[dataset]))} only, of {n_envs[dataset]}."
+                )
+    if incomplete:
+        notes.append("Incomplete runs (no 'done'; left out): " + ", ".join(incomplete) + ".")
+    if not_started:
+        notes.append("Jobs without records (not started): " + ", ".join(sorted(not_started)) + ".")
+    if latex:
+        out += ["% " + latex_escape(n).replace("±", "$\\pm$") for n in notes]
+    else:
+        out += ["Notes:", "\n".join(f"- {n}" for n in notes)]
+    return "\n\n".join(out) + "\n"
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--input_dir", required=True, help="A sweep's output folder.")
-  parser.add_argument("--selection", default="training_domain",
-                      help=f"One of {', '.join(selection.RUN_SELECTIONS)}.")
-  parser.add_argument("--latex", action="store_true", help="LaTeX tables instead of Markdown.")
-  parser.add_argument("--output", help="Write the report to this file (default: stdout).")
-  args = parser.parse_args(argv)
-  try:
-    report = build_report(args.input_dir, args.selection, args.latex)
-  except (FileNotFoundError, ValueError) as error:
-    print(f"collect_results: {error}", file=sys.stderr)
-    return 2
-  if args.output:
-    with open(args.output, "w") as f:
-      f.write(report)
-  else:
-    sys.stdout.write(report)
-  return 0
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--input_dir", required=True, help="A sweep's output folder.")
+    parser.add_argument(
+        "--selection",
+        default="training_domain",
+        help=f"One of {', '.join(selection.RUN_SELECTIONS)}.",
+    )
+    parser.add_argument("--latex", action="store_true", help="LaTeX tables instead of Markdown.")
+    parser.add_argument("--output", help="Write the report to this file (default: stdout).")
+    args = parser.parse_args(argv)
+    try:
+        report = build_report(args.input_dir, args.selection, args.latex)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"collect_results: {error}", file=sys.stderr)
+        return 2
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(report)
+    else:
+        sys.stdout.write(report)
+    return 0
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+    sys.exit(main())

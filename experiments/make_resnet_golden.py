@@ -18,6 +18,7 @@ pure Python, so in that case this script imports ``torchvision.models.resnet``
 without running the package ``__init__`` that loads those ops; the network code
 executed is still torchvision's own, unchanged.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,11 +85,17 @@ def main() -> None:
         ]
         ours = [(entry.torch_key, entry.shape) for entry in torchvision_layout(arch)]
         if reference != ours:
-            raise SystemExit(f"{arch}: torchvision_layout differs from torchvision's state_dict order/shapes")
+            raise SystemExit(
+                f"{arch}: torchvision_layout differs from torchvision's state_dict order/shapes"
+            )
         weights = draw_torchvision_weights(arch, GOLDEN_WEIGHT_SEEDS[arch])
         # strict=False only because the counters (num_batches_tracked) are not drawn.
-        result = model.load_state_dict({key: torch.from_numpy(value) for key, value in weights.items()}, strict=False)
-        if result.unexpected_keys or not all(k.endswith(".num_batches_tracked") for k in result.missing_keys):
+        result = model.load_state_dict(
+            {key: torch.from_numpy(value) for key, value in weights.items()}, strict=False
+        )
+        if result.unexpected_keys or not all(
+            k.endswith(".num_batches_tracked") for k in result.missing_keys
+        ):
             raise SystemExit(f"{arch}: load_state_dict mismatch {result}")
         golden[f"{arch}_fingerprint"] = np.array(weights_fingerprint(weights))
         for size in GOLDEN_SIZES:
@@ -96,7 +103,9 @@ def main() -> None:
             with torch.no_grad():
                 logits = model(torch.from_numpy(images)).numpy()
             golden[f"{arch}_{size}"] = logits.astype(np.float32)
-            print(f"{arch} {size}x{size}: logits std {logits.std():.3f}, max |.| {np.abs(logits).max():.3f}")
+            print(
+                f"{arch} {size}x{size}: logits std {logits.std():.3f}, max |.| {np.abs(logits).max():.3f}"
+            )
     golden["torch_version"] = np.array(torch.__version__)
     golden["torchvision_version"] = np.array(torchvision_version)
     np.savez_compressed(args.out, **golden)

@@ -39,124 +39,157 @@ DEFAULT_RHOS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2)
 
 
 def finished_runs(input_dir: str) -> list[str]:
-  if not os.path.isdir(input_dir):
-    raise FileNotFoundError(f"--input_dir {input_dir!r} is not a directory.")
-  runs = sorted(root for root, _, files in os.walk(input_dir)
-                if train.DONE in files and "config.json" in files)
-  if not runs:
-    raise FileNotFoundError(f"No finished run (a 'done' file beside config.json) under {input_dir}.")
-  return runs
+    if not os.path.isdir(input_dir):
+        raise FileNotFoundError(f"--input_dir {input_dir!r} is not a directory.")
+    runs = sorted(
+        root
+        for root, _, files in os.walk(input_dir)
+        if train.DONE in files and "config.json" in files
+    )
+    if not runs:
+        raise FileNotFoundError(
+            f"No finished run (a 'done' file beside config.json) under {input_dir}."
+        )
+    return runs
 
 
 def restore_run(workdir: str, checkpoint: str):
-  """The run's config, dataset, model and restored train state."""
-  with open(os.path.join(workdir, "config.json")) as f:
-    config = ml_collections.ConfigDict(json.load(f))
-  dataset = data_lib.load(config.dataset, config.data_dir or None, trial_seed=config.trial_seed,
-                          holdout_fraction=config.holdout_fraction, split=config.split,
-                          skip_bad_files=config.skip_bad_files, data_seed=config.seed,
-                          image_size=config.image_size)
-  model, variables, _ = train.model_from_config(config, dataset, jax.random.key(0),
-                                               pretrained=False)
-  state = create_train_state(variables, train.optimizer_from_config(config))
-  directory = os.path.abspath(os.path.join(workdir, "checkpoints", checkpoint))
-  manager = ocp.CheckpointManager(directory)
-  if manager.latest_step() is None:
-    raise FileNotFoundError(f"{directory} holds no checkpoint.")
-  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-  state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(abstract))
-  return config, dataset, model, state
+    """The run's config, dataset, model and restored train state."""
+    with open(os.path.join(workdir, "config.json")) as f:
+        config = ml_collections.ConfigDict(json.load(f))
+    dataset = data_lib.load(
+        config.dataset,
+        config.data_dir or None,
+        trial_seed=config.trial_seed,
+        holdout_fraction=config.holdout_fraction,
+        split=config.split,
+        skip_bad_files=config.skip_bad_files,
+        data_seed=config.seed,
+        image_size=config.image_size,
+    )
+    model, variables, _ = train.model_from_config(
+        config, dataset, jax.random.key(0), pretrained=False
+    )
+    state = create_train_state(variables, train.optimizer_from_config(config))
+    directory = os.path.abspath(os.path.join(workdir, "checkpoints", checkpoint))
+    manager = ocp.CheckpointManager(directory)
+    if manager.latest_step() is None:
+        raise FileNotFoundError(f"{directory} holds no checkpoint.")
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(abstract))
+    return config, dataset, model, state
 
 
 class TargetDomain:
-  """Every example of one environment, re-iterable (one pass per rho)."""
+    """Every example of one environment, re-iterable (one pass per rho)."""
 
-  def __init__(self, dataset, env: int, batch_size: int):
-    self.dataset, self.env, self.batch_size = dataset, env, batch_size
+    def __init__(self, dataset, env: int, batch_size: int):
+        self.dataset, self.env, self.batch_size = dataset, env, batch_size
 
-  def __iter__(self):
-    for part in self.dataset.splits[self.env]:
-      yield from self.dataset.eval_iterator(self.env, part, batch_size=self.batch_size)
+    def __iter__(self):
+        for part in self.dataset.splits[self.env]:
+            yield from self.dataset.eval_iterator(self.env, part, batch_size=self.batch_size)
 
 
 def run_sharpness(workdir: str, rhos, checkpoint: str = "latest") -> list[dict]:
-  config, dataset, model, state = restore_run(workdir, checkpoint)
-  batch_stats = state.batch_stats
+    config, dataset, model, state = restore_run(workdir, checkpoint)
+    batch_stats = state.batch_stats
 
-  def loss_fn(params, batch):
-    variables = {"params": params, **({"batch_stats": batch_stats} if batch_stats else {})}
-    logits = model.apply(variables, batch["image"], train=False)
-    losses = per_example_cross_entropy(logits, batch["label"])
-    return jnp.sum(losses * batch["mask"]), jnp.sum(batch["mask"])
+    def loss_fn(params, batch):
+        variables = {"params": params, **({"batch_stats": batch_stats} if batch_stats else {})}
+        logits = model.apply(variables, batch["image"], train=False)
+        losses = per_example_cross_entropy(logits, batch["label"])
+        return jnp.sum(losses * batch["mask"]), jnp.sum(batch["mask"])
 
-  entries = []
-  for env in config.test_envs:
-    result = sagm_jax.sharpness(loss_fn, state.params, TargetDomain(dataset, env,
-                                                                    config.eval_batch_size), rhos)
-    entries.append({"run": os.path.relpath(workdir), "dataset": config.dataset,
-                    "algorithm": config.algorithm, "mixstyle": config.mixstyle,
-                    "trial_seed": config.trial_seed, "test_env": int(env),
-                    "env_name": dataset.env_names[env], "checkpoint": checkpoint,
-                    "step": int(state.step), **result})
-  return entries
+    entries = []
+    for env in config.test_envs:
+        result = sagm_jax.sharpness(
+            loss_fn, state.params, TargetDomain(dataset, env, config.eval_batch_size), rhos
+        )
+        entries.append(
+            {
+                "run": os.path.relpath(workdir),
+                "dataset": config.dataset,
+                "algorithm": config.algorithm,
+                "mixstyle": config.mixstyle,
+                "trial_seed": config.trial_seed,
+                "test_env": int(env),
+                "env_name": dataset.env_names[env],
+                "checkpoint": checkpoint,
+                "step": int(state.step),
+                **result,
+            }
+        )
+    return entries
 
 
 def plot(entries: list[dict], path: str) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+    import matplotlib
 
-  domains = sorted({(e["dataset"], e["test_env"], e["env_name"]) for e in entries})
-  columns = min(3, len(domains))
-  rows = -(-len(domains) // columns)
-  fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.3 * rows), squeeze=False)
-  for ax, (dataset, env, name) in zip(axes.flat, domains):
-    curves = collections.defaultdict(list)
-    for e in entries:
-      if (e["dataset"], e["test_env"]) == (dataset, env):
-        label = e["algorithm"].upper() + (" + MixStyle" if e["mixstyle"] else "")
-        curves[label].append(e)
-    for label in sorted(curves):
-      rho = curves[label][0]["rho"]
-      values = np.array([c["sharpness"] for c in curves[label]])
-      mean, se = values.mean(0), values.std(0) / np.sqrt(len(values))
-      ax.errorbar(rho, mean, yerr=se, marker="o", markersize=3, capsize=2,
-                  label=f"{label} (n={len(values)})")
-    ax.set_title(f"{dataset}: target {name} (env {env})", fontsize=9)
-    ax.set_xlabel("rho")
-    ax.set_ylabel("h_rho = L(w + rho g/|g|) - L(w)")
-    ax.legend(fontsize=7)
-  for ax in list(axes.flat)[len(domains):]:
-    ax.axis("off")
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    domains = sorted({(e["dataset"], e["test_env"], e["env_name"]) for e in entries})
+    columns = min(3, len(domains))
+    rows = -(-len(domains) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.3 * rows), squeeze=False)
+    for ax, (dataset, env, name) in zip(axes.flat, domains):
+        curves = collections.defaultdict(list)
+        for e in entries:
+            if (e["dataset"], e["test_env"]) == (dataset, env):
+                label = e["algorithm"].upper() + (" + MixStyle" if e["mixstyle"] else "")
+                curves[label].append(e)
+        for label in sorted(curves):
+            rho = curves[label][0]["rho"]
+            values = np.array([c["sharpness"] for c in curves[label]])
+            mean, se = values.mean(0), values.std(0) / np.sqrt(len(values))
+            ax.errorbar(
+                rho,
+                mean,
+                yerr=se,
+                marker="o",
+                markersize=3,
+                capsize=2,
+                label=f"{label} (n={len(values)})",
+            )
+        ax.set_title(f"{dataset}: target {name} (env {env})", fontsize=9)
+        ax.set_xlabel("rho")
+        ax.set_ylabel("h_rho = L(w + rho g/|g|) - L(w)")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(domains) :]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--input_dir", required=True)
-  parser.add_argument("--output_dir", required=True)
-  parser.add_argument("--rhos", default=",".join(str(r) for r in DEFAULT_RHOS),
-                      help="comma-separated radii")
-  parser.add_argument("--checkpoint", default="latest", choices=("latest", "best"))
-  args = parser.parse_args(argv)
-  try:
-    rhos = [float(r) for r in args.rhos.split(",")]
-  except ValueError:
-    parser.error(f"--rhos {args.rhos!r}: expected comma-separated numbers.")
-  entries = []
-  for workdir in finished_runs(args.input_dir):
-    entries += run_sharpness(workdir, rhos, args.checkpoint)
-    print(f"{workdir}: " + ", ".join(f"{e['env_name']} h={e['sharpness'][-1]:.4g}"
-                                     for e in entries[-1:]))
-  os.makedirs(args.output_dir, exist_ok=True)
-  with open(os.path.join(args.output_dir, "sharpness.json"), "w") as f:
-    json.dump(entries, f, indent=1)
-  plot(entries, os.path.join(args.output_dir, "sharpness.png"))
-  print(f"Wrote {args.output_dir}/sharpness.json and sharpness.png ({len(entries)} curves).")
-  return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--input_dir", required=True)
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument(
+        "--rhos", default=",".join(str(r) for r in DEFAULT_RHOS), help="comma-separated radii"
+    )
+    parser.add_argument("--checkpoint", default="latest", choices=("latest", "best"))
+    args = parser.parse_args(argv)
+    try:
+        rhos = [float(r) for r in args.rhos.split(",")]
+    except ValueError:
+        parser.error(f"--rhos {args.rhos!r}: expected comma-separated numbers.")
+    entries = []
+    for workdir in finished_runs(args.input_dir):
+        entries += run_sharpness(workdir, rhos, args.checkpoint)
+        print(
+            f"{workdir}: "
+            + ", ".join(f"{e['env_name']} h={e['sharpness'][-1]:.4g}" for e in entries[-1:])
+        )
+    os.makedirs(args.output_dir, exist_ok=True)
+    with open(os.path.join(args.output_dir, "sharpness.json"), "w") as f:
+        json.dump(entries, f, indent=1)
+    plot(entries, os.path.join(args.output_dir, "sharpness.png"))
+    print(f"Wrote {args.output_dir}/sharpness.json and sharpness.png ({len(entries)} curves).")
+    return 0
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+    sys.exit(main())

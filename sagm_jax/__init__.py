@@ -21,6 +21,14 @@ from sagm_jax.optimizers import (
 from sagm_jax.sharpness import sharpness
 
 __all__ = [
-    "ALGORITHMS", "SharpnessAwareState", "global_norm", "gsam", "gsam_rho_schedule",
-    "paper_optimizer", "perturbation_vector", "sagm", "sam", "sharpness",
+    "ALGORITHMS",
+    "SharpnessAwareState",
+    "global_norm",
+    "gsam",
+    "gsam_rho_schedule",
+    "paper_optimizer",
+    "perturbation_vector",
+    "sagm",
+    "sam",
+    "sharpness",
 ]

@@ -47,248 +47,277 @@ ALGORITHMS = ("erm", "sam", "gsam", "sagm", "erm_sam")
 
 
 class SharpnessAwareState(NamedTuple):
-  """State of every rule here: the number of updates so far (a rho schedule's step)."""
+    """State of every rule here: the number of updates so far (a rho schedule's step)."""
 
-  count: jax.Array
+    count: jax.Array
 
 
 def global_norm(tree) -> jax.Array:
-  """``||x|| = sqrt(sum_leaves ||leaf||^2)``, as the norm of the per-leaf norms.
+    """``||x|| = sqrt(sum_leaves ||leaf||^2)``, as the norm of the per-leaf norms.
 
-  The reference takes ``torch.norm`` of the stacked per-tensor norms; a flat
-  ``sqrt(sum(x**2))`` differs from it by about 1e-7 relative in float32.
-  """
-  leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
-  leaf_norms = [jnp.linalg.norm(jnp.ravel(x).astype(jnp.promote_types(x.dtype, jnp.float32)))
-                for x in leaves]
-  return jnp.linalg.norm(jnp.stack(leaf_norms))
+    The reference takes ``torch.norm`` of the stacked per-tensor norms; a flat
+    ``sqrt(sum(x**2))`` differs from it by about 1e-7 relative in float32.
+    """
+    leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
+    leaf_norms = [
+        jnp.linalg.norm(jnp.ravel(x).astype(jnp.promote_types(x.dtype, jnp.float32)))
+        for x in leaves
+    ]
+    return jnp.linalg.norm(jnp.stack(leaf_norms))
 
 
 def _vdot(a, b) -> jax.Array:
-  """``<a, b>`` summed over every leaf of two pytrees of the same structure."""
-  return sum(jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    """``<a, b>`` summed over every leaf of two pytrees of the same structure."""
+    return sum(jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def _axpy(scale, x, y):
-  """``scale * x + y`` leaf by leaf, keeping each leaf's dtype."""
-  return jax.tree.map(lambda a, b: (scale * a + b).astype(b.dtype), x, y)
+    """``scale * x + y`` leaf by leaf, keeping each leaf's dtype."""
+    return jax.tree.map(lambda a, b: (scale * a + b).astype(b.dtype), x, y)
 
 
 def perturbation_vector(grads, params, rho, alpha=0.0, eps=1e-12, adaptive=False):
-  """The ascent step ``e`` of SAM (``alpha = 0``) and SAGM, as a constant.
+    """The ascent step ``e`` of SAM (``alpha = 0``) and SAGM, as a constant.
 
-  Plain:     ``e = (rho / (||g|| + eps) - alpha) * g``.
-  Adaptive:  ``e = (rho / (|| |w| * g || + eps) - alpha) * w**2 * g``.
+    Plain:     ``e = (rho / (||g|| + eps) - alpha) * g``.
+    Adaptive:  ``e = (rho / (|| |w| * g || + eps) - alpha) * w**2 * g``.
 
-  ``alpha`` multiplies the RAW gradient, so the scale is negative when
-  ``||g|| > rho / alpha``; that is what the reference computes. No gradient
-  flows through ``e``.
-  """
-  if adaptive:
-    norm = global_norm(jax.tree.map(lambda w, g: jnp.abs(w) * g, params, grads))
-    scale = rho / (norm + eps) - alpha
-    e = jax.tree.map(lambda w, g: scale * jnp.square(w) * g, params, grads)
-  else:
-    scale = rho / (global_norm(grads) + eps) - alpha
-    e = jax.tree.map(lambda g: scale * g, grads)
-  return jax.lax.stop_gradient(e)
+    ``alpha`` multiplies the RAW gradient, so the scale is negative when
+    ``||g|| > rho / alpha``; that is what the reference computes. No gradient
+    flows through ``e``.
+    """
+    if adaptive:
+        norm = global_norm(jax.tree.map(lambda w, g: jnp.abs(w) * g, params, grads))
+        scale = rho / (norm + eps) - alpha
+        e = jax.tree.map(lambda w, g: scale * jnp.square(w) * g, params, grads)
+    else:
+        scale = rho / (global_norm(grads) + eps) - alpha
+        e = jax.tree.map(lambda g: scale * g, grads)
+    return jax.lax.stop_gradient(e)
 
 
 def _value(rho: ScalarOrSchedule, count):
-  return rho(count) if callable(rho) else rho
+    return rho(count) if callable(rho) else rho
 
 
 def _check_mode(perturbation_mode: str, axis_name: Optional[str]):
-  if perturbation_mode not in ("global", "per_device"):
-    raise ValueError(
-        f"perturbation={perturbation_mode!r}: expected 'global' or 'per_device'.")
-  if perturbation_mode == "per_device" and axis_name is None:
-    raise ValueError(
-        "perturbation='per_device' needs axis_name: the name of the device axis of "
-        "the shard_map or pmap the update runs in.")
+    if perturbation_mode not in ("global", "per_device"):
+        raise ValueError(f"perturbation={perturbation_mode!r}: expected 'global' or 'per_device'.")
+    if perturbation_mode == "per_device" and axis_name is None:
+        raise ValueError(
+            "perturbation='per_device' needs axis_name: the name of the device axis of "
+            "the shard_map or pmap the update runs in."
+        )
 
 
-def _sharpness_aware(direction_fn, rho, eps, adaptive, alpha_in_perturbation,
-                     perturbation_mode, axis_name):
-  """Shared skeleton: clean g, ascent e, perturbed g_p, then ``direction_fn(g, g_p)``."""
-  _check_mode(perturbation_mode, axis_name)
-  global_sync = perturbation_mode == "global" and axis_name is not None
+def _sharpness_aware(
+    direction_fn, rho, eps, adaptive, alpha_in_perturbation, perturbation_mode, axis_name
+):
+    """Shared skeleton: clean g, ascent e, perturbed g_p, then ``direction_fn(g, g_p)``."""
+    _check_mode(perturbation_mode, axis_name)
+    global_sync = perturbation_mode == "global" and axis_name is not None
 
-  def init_fn(params):
-    del params
-    return SharpnessAwareState(count=jnp.zeros([], jnp.int32))
+    def init_fn(params):
+        del params
+        return SharpnessAwareState(count=jnp.zeros([], jnp.int32))
 
-  def update_fn(updates, state, params=None, *, grad_fn: Optional[GradFn] = None,
-                **extra_args):
-    del extra_args
-    if params is None:
-      raise ValueError("This transformation needs params (the unperturbed w).")
-    if grad_fn is None:
-      raise ValueError(
-          "This transformation needs grad_fn=lambda params, i: grads, the gradient "
-          "of the SAME minibatch's loss at the given params (optax.contrib.sam's "
-          "opaque-mode convention).")
-    grads = updates
-    if global_sync:
-      grads = jax.lax.pmean(grads, axis_name)
-    e = perturbation_vector(grads, params, _value(rho, state.count),
-                     alpha_in_perturbation, eps, adaptive)
-    perturbed_grads = grad_fn(_axpy(1.0, e, params), 0)
-    if global_sync:
-      perturbed_grads = jax.lax.pmean(perturbed_grads, axis_name)
-    direction = direction_fn(grads, perturbed_grads)
-    if perturbation_mode == "per_device":
-      direction = jax.lax.pmean(direction, axis_name)
-    direction = jax.tree.map(lambda d, g: d.astype(g.dtype), direction, updates)
-    return direction, SharpnessAwareState(count=optax.safe_increment(state.count))
+    def update_fn(updates, state, params=None, *, grad_fn: Optional[GradFn] = None, **extra_args):
+        del extra_args
+        if params is None:
+            raise ValueError("This transformation needs params (the unperturbed w).")
+        if grad_fn is None:
+            raise ValueError(
+                "This transformation needs grad_fn=lambda params, i: grads, the gradient "
+                "of the SAME minibatch's loss at the given params (optax.contrib.sam's "
+                "opaque-mode convention)."
+            )
+        grads = updates
+        if global_sync:
+            grads = jax.lax.pmean(grads, axis_name)
+        e = perturbation_vector(
+            grads, params, _value(rho, state.count), alpha_in_perturbation, eps, adaptive
+        )
+        perturbed_grads = grad_fn(_axpy(1.0, e, params), 0)
+        if global_sync:
+            perturbed_grads = jax.lax.pmean(perturbed_grads, axis_name)
+        direction = direction_fn(grads, perturbed_grads)
+        if perturbation_mode == "per_device":
+            direction = jax.lax.pmean(direction, axis_name)
+        direction = jax.tree.map(lambda d, g: d.astype(g.dtype), direction, updates)
+        return direction, SharpnessAwareState(count=optax.safe_increment(state.count))
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def sagm(rho: ScalarOrSchedule = 0.05, alpha: float = 1e-3, *, eps: float = 1e-12,
-         adaptive: bool = False, combine: str = "mean",
-         perturbation: str = "global",
-         axis_name: Optional[str] = None) -> optax.GradientTransformationExtraArgs:
-  """Sharpness-Aware Gradient Matching (Wang et al., CVPR 2023), as its code computes it.
-
-  1. ``g = grad L_B(w)`` (the ``updates`` passed in).
-  2. ``e = (rho / (||g|| + eps) - alpha) * g``  (see :func:`perturbation_vector`).
-  3. ``g_p = grad L_B(w + e)`` on the same batch (``grad_fn``).
-  4. ``d = 0.5 * (g + g_p)`` (``combine="mean"``, the released code) or
-     ``d = g + g_p`` (``combine="sum"``, the gradient of the paper's objective
-     ``L(w) + L(w + e)``: twice as large, which Adam nearly ignores but its
-     epsilon and coupled weight decay do not).
-
-  With ``alpha = 0`` this is the "ERM + SAM" ablation: ``0.5 * (g + g_sam)``.
-
-  Args:
-    rho: perturbation radius, a float or an optax schedule of the update count.
-    alpha: weight of the raw gradient subtracted in the ascent step.
-    eps: added to the norm, so a zero gradient gives ``e = 0``, not NaN.
-    adaptive: ASAM-style scaling by ``|w|`` (off in every experiment of the paper).
-    combine: ``"mean"`` or ``"sum"``.
-    perturbation: ``"global"`` or ``"per_device"`` (m-sharpness, a different
-      algorithm; see the module docstring).
-    axis_name: the device axis inside ``shard_map``/``pmap``; None under ``jit``.
-
-  Example::
-
-    >>> import jax, jax.numpy as jnp, optax, sagm_jax
-    >>> loss = lambda w: jnp.sum((w - 1.0) ** 2)
-    >>> opt = optax.chain(sagm_jax.sagm(rho=0.05, alpha=1e-3), optax.sgd(0.1))
-    >>> w = jnp.zeros(3); state = opt.init(w)
-    >>> d, state = opt.update(jax.grad(loss)(w), state, w,
-    ...                       grad_fn=lambda p, i: jax.grad(loss)(p))
-  """
-  if combine not in ("mean", "sum"):
-    raise ValueError(f"combine={combine!r}: expected 'mean' (the released code) "
-                     "or 'sum' (the paper's objective).")
-  weight = 0.5 if combine == "mean" else 1.0
-
-  def direction(g, g_p):
-    return jax.tree.map(lambda a, b: weight * (a + b), g, g_p)
-
-  return _sharpness_aware(direction, rho, eps, adaptive, alpha, perturbation, axis_name)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def sam(rho: ScalarOrSchedule = 0.05, *, eps: float = 1e-12, adaptive: bool = False,
-        perturbation: str = "global",
-        axis_name: Optional[str] = None) -> optax.GradientTransformationExtraArgs:
-  """Sharpness-Aware Minimization (Foret et al., ICLR 2021).
+def sagm(
+    rho: ScalarOrSchedule = 0.05,
+    alpha: float = 1e-3,
+    *,
+    eps: float = 1e-12,
+    adaptive: bool = False,
+    combine: str = "mean",
+    perturbation: str = "global",
+    axis_name: Optional[str] = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Sharpness-Aware Gradient Matching (Wang et al., CVPR 2023), as its code computes it.
 
-  ``e = rho * g / (||g|| + eps)``; ``d = g_p = grad L_B(w + e)``, consumed at
-  the unperturbed ``w``. ``adaptive=True`` gives ASAM's
-  ``e = rho * w**2 * g / (|| |w| * g || + eps)``. Other arguments as :func:`sagm`.
-  """
-  return _sharpness_aware(lambda g, g_p: g_p, rho, eps, adaptive, 0.0,
-                          perturbation, axis_name)
+    1. ``g = grad L_B(w)`` (the ``updates`` passed in).
+    2. ``e = (rho / (||g|| + eps) - alpha) * g``  (see :func:`perturbation_vector`).
+    3. ``g_p = grad L_B(w + e)`` on the same batch (``grad_fn``).
+    4. ``d = 0.5 * (g + g_p)`` (``combine="mean"``, the released code) or
+       ``d = g + g_p`` (``combine="sum"``, the gradient of the paper's objective
+       ``L(w) + L(w + e)``: twice as large, which Adam nearly ignores but its
+       epsilon and coupled weight decay do not).
 
+    With ``alpha = 0`` this is the "ERM + SAM" ablation: ``0.5 * (g + g_sam)``.
 
-def gsam(rho: ScalarOrSchedule = 0.05, alpha: float = 0.1, *, eps: float = 1e-12,
-         adaptive: bool = False, perturbation: str = "global",
-         axis_name: Optional[str] = None) -> optax.GradientTransformationExtraArgs:
-  """Surrogate-gap guided SAM (Zhuang et al., ICLR 2022).
+    Args:
+      rho: perturbation radius, a float or an optax schedule of the update count.
+      alpha: weight of the raw gradient subtracted in the ascent step.
+      eps: added to the norm, so a zero gradient gives ``e = 0``, not NaN.
+      adaptive: ASAM-style scaling by ``|w|`` (off in every experiment of the paper).
+      combine: ``"mean"`` or ``"sum"``.
+      perturbation: ``"global"`` or ``"per_device"`` (m-sharpness, a different
+        algorithm; see the module docstring).
+      axis_name: the device axis inside ``shard_map``/``pmap``; None under ``jit``.
 
-  ``e = rho * g / (||g|| + eps)``, ``g_p = grad L_B(w + e)``, then the part of
-  the clean gradient orthogonal to ``g_p`` is subtracted::
+    Example::
 
-      cos    = <g, g_p> / (||g|| * ||g_p|| + eps)
-      g_perp = g - cos * ||g|| * g_p / (||g_p|| + eps)
-      d      = g_p - alpha * g_perp
+      >>> import jax, jax.numpy as jnp, optax, sagm_jax
+      >>> loss = lambda w: jnp.sum((w - 1.0) ** 2)
+      >>> opt = optax.chain(sagm_jax.sagm(rho=0.05, alpha=1e-3), optax.sgd(0.1))
+      >>> w = jnp.zeros(3); state = opt.init(w)
+      >>> d, state = opt.update(jax.grad(loss)(w), state, w,
+      ...                       grad_fn=lambda p, i: jax.grad(loss)(p))
+    """
+    if combine not in ("mean", "sum"):
+        raise ValueError(
+            f"combine={combine!r}: expected 'mean' (the released code) "
+            "or 'sum' (the paper's objective)."
+        )
+    weight = 0.5 if combine == "mean" else 1.0
 
-  This is the authors' PyTorch form, with ``eps`` in both norms: up to ``eps``
-  it is ``g_perp = g - (<g, g_p> / ||g_p||^2) g_p``, and a zero ``g`` or
-  ``g_p`` gives a finite direction. For rho that follows a learning-rate
-  schedule, pass :func:`gsam_rho_schedule`. Other arguments as :func:`sagm`.
-  """
+    def direction(g, g_p):
+        return jax.tree.map(lambda a, b: weight * (a + b), g, g_p)
 
-  def direction(g, g_p):
-    g_norm, g_p_norm = global_norm(g), global_norm(g_p)
-    cosine = _vdot(g, g_p) / (g_norm * g_p_norm + eps)
-    along = cosine * g_norm / (g_p_norm + eps)
-    return jax.tree.map(lambda a, b: b - alpha * (a - along * b), g, g_p)
-
-  return _sharpness_aware(direction, rho, eps, adaptive, 0.0, perturbation, axis_name)
-
-
-def gsam_rho_schedule(learning_rate: optax.Schedule, rho_max: float, rho_min: float,
-                      lr_max: float, lr_min: float) -> optax.Schedule:
-  """GSAM's rho that follows the learning rate.
-
-  ``rho_t = rho_min + (rho_max - rho_min) * (lr_t - lr_min) / (lr_max - lr_min)``,
-  and ``rho_max`` when ``lr_max == lr_min`` (a constant learning rate).
-  """
-  if lr_max == lr_min:
-    return optax.constant_schedule(rho_max)
-
-  def schedule(count):
-    return rho_min + (rho_max - rho_min) * (learning_rate(count) - lr_min) / (lr_max - lr_min)
-
-  return schedule
+    return _sharpness_aware(direction, rho, eps, adaptive, alpha, perturbation, axis_name)
 
 
-def paper_optimizer(algorithm: str, *, learning_rate: ScalarOrSchedule,
-                    weight_decay: float, rho: ScalarOrSchedule = 0.05,
-                    alpha: Optional[float] = None, combine: str = "mean",
-                    adaptive: bool = False, perturbation: str = "global",
-                    axis_name: Optional[str] = None
-                    ) -> optax.GradientTransformationExtraArgs:
-  """The paper's whole optimizer: the algorithm's head, then PyTorch's ``Adam(lr, weight_decay)``.
+def sam(
+    rho: ScalarOrSchedule = 0.05,
+    *,
+    eps: float = 1e-12,
+    adaptive: bool = False,
+    perturbation: str = "global",
+    axis_name: Optional[str] = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Sharpness-Aware Minimization (Foret et al., ICLR 2021).
 
-  PyTorch's Adam decay is COUPLED L2 (not AdamW), added after the head at the
-  unperturbed ``w``, so it never enters ``g`` or the perturbation::
+    ``e = rho * g / (||g|| + eps)``; ``d = g_p = grad L_B(w + e)``, consumed at
+    the unperturbed ``w``. ``adaptive=True`` gives ASAM's
+    ``e = rho * w**2 * g / (|| |w| * g || + eps)``. Other arguments as :func:`sagm`.
+    """
+    return _sharpness_aware(lambda g, g_p: g_p, rho, eps, adaptive, 0.0, perturbation, axis_name)
 
-      d' = d + weight_decay * w
-      m, v = Adam moments of d' (b1 0.9, b2 0.999);  step = -lr * m_hat / (sqrt(v_hat) + 1e-8)
 
-  Args:
-    algorithm: ``erm | sam | gsam | sagm | erm_sam`` (``erm_sam`` is SAGM with
-      ``alpha = 0``, Table 3's "ERM + SAM").
-    learning_rate: a float or an optax schedule (constant in the paper).
-    weight_decay: coupled L2 coefficient.
-    rho: perturbation radius (ignored by ERM).
-    alpha: SAGM's or GSAM's alpha; defaults 1e-3 (SAGM) and 0.1 (GSAM).
-    combine, adaptive, perturbation, axis_name: see :func:`sagm`.
+def gsam(
+    rho: ScalarOrSchedule = 0.05,
+    alpha: float = 0.1,
+    *,
+    eps: float = 1e-12,
+    adaptive: bool = False,
+    perturbation: str = "global",
+    axis_name: Optional[str] = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Surrogate-gap guided SAM (Zhuang et al., ICLR 2022).
 
-  The returned chain always accepts ``grad_fn``; ERM never calls it, so one
-  train step serves every algorithm.
-  """
-  if algorithm not in ALGORITHMS:
-    raise ValueError(f"algorithm={algorithm!r}: expected one of {', '.join(ALGORITHMS)}.")
-  common = dict(adaptive=adaptive, perturbation=perturbation, axis_name=axis_name)
-  if algorithm == "erm":
-    head = []
-  elif algorithm == "sam":
-    head = [sam(rho, **common)]
-  elif algorithm == "gsam":
-    head = [gsam(rho, 0.1 if alpha is None else alpha, **common)]
-  elif algorithm == "sagm":
-    head = [sagm(rho, 1e-3 if alpha is None else alpha, combine=combine, **common)]
-  else:
-    head = [sagm(rho, 0.0, combine=combine, **common)]
-  return optax.chain(
-      *head,
-      optax.add_decayed_weights(weight_decay),
-      optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8),
-      optax.scale_by_learning_rate(learning_rate),
-  )
+    ``e = rho * g / (||g|| + eps)``, ``g_p = grad L_B(w + e)``, then the part of
+    the clean gradient orthogonal to ``g_p`` is subtracted::
+
+        cos    = <g, g_p> / (||g|| * ||g_p|| + eps)
+        g_perp = g - cos * ||g|| * g_p / (||g_p|| + eps)
+        d      = g_p - alpha * g_perp
+
+    This is the authors' PyTorch form, with ``eps`` in both norms: up to ``eps``
+    it is ``g_perp = g - (<g, g_p> / ||g_p||^2) g_p``, and a zero ``g`` or
+    ``g_p`` gives a finite direction. For rho that follows a learning-rate
+    schedule, pass :func:`gsam_rho_schedule`. Other arguments as :func:`sagm`.
+    """
+
+    def direction(g, g_p):
+        g_norm, g_p_norm = global_norm(g), global_norm(g_p)
+        cosine = _vdot(g, g_p) / (g_norm * g_p_norm + eps)
+        along = cosine * g_norm / (g_p_norm + eps)
+        return jax.tree.map(lambda a, b: b - alpha * (a - along * b), g, g_p)
+
+    return _sharpness_aware(direction, rho, eps, adaptive, 0.0, perturbation, axis_name)
+
+
+def gsam_rho_schedule(
+    learning_rate: optax.Schedule, rho_max: float, rho_min: float, lr_max: float, lr_min: float
+) -> optax.Schedule:
+    """GSAM's rho that follows the learning rate.
+
+    ``rho_t = rho_min + (rho_max - rho_min) * (lr_t - lr_min) / (lr_max - lr_min)``,
+    and ``rho_max`` when ``lr_max == lr_min`` (a constant learning rate).
+    """
+    if lr_max == lr_min:
+        return optax.constant_schedule(rho_max)
+
+    def schedule(count):
+        return rho_min + (rho_max - rho_min) * (learning_rate(count) - lr_min) / (lr_max - lr_min)
+
+    return schedule
+
+
+def paper_optimizer(
+    algorithm: str,
+    *,
+    learning_rate: ScalarOrSchedule,
+    weight_decay: float,
+    rho: ScalarOrSchedule = 0.05,
+    alpha: Optional[float] = None,
+    combine: str = "mean",
+    adaptive: bool = False,
+    perturbation: str = "global",
+    axis_name: Optional[str] = None,
+) -> optax.GradientTransformationExtraArgs:
+    """The paper's whole optimizer: the algorithm's head, then PyTorch's ``Adam(lr, weight_decay)``.
+
+    PyTorch's Adam decay is COUPLED L2 (not AdamW), added after the head at the
+    unperturbed ``w``, so it never enters ``g`` or the perturbation::
+
+        d' = d + weight_decay * w
+        m, v = Adam moments of d' (b1 0.9, b2 0.999);  step = -lr * m_hat / (sqrt(v_hat) + 1e-8)
+
+    Args:
+      algorithm: ``erm | sam | gsam | sagm | erm_sam`` (``erm_sam`` is SAGM with
+        ``alpha = 0``, Table 3's "ERM + SAM").
+      learning_rate: a float or an optax schedule (constant in the paper).
+      weight_decay: coupled L2 coefficient.
+      rho: perturbation radius (ignored by ERM).
+      alpha: SAGM's or GSAM's alpha; defaults 1e-3 (SAGM) and 0.1 (GSAM).
+      combine, adaptive, perturbation, axis_name: see :func:`sagm`.
+
+    The returned chain always accepts ``grad_fn``; ERM never calls it, so one
+    train step serves every algorithm.
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm={algorithm!r}: expected one of {', '.join(ALGORITHMS)}.")
+    common = dict(adaptive=adaptive, perturbation=perturbation, axis_name=axis_name)
+    if algorithm == "erm":
+        head = []
+    elif algorithm == "sam":
+        head = [sam(rho, **common)]
+    elif algorithm == "gsam":
+        head = [gsam(rho, 0.1 if alpha is None else alpha, **common)]
+    elif algorithm == "sagm":
+        head = [sagm(rho, 1e-3 if alpha is None else alpha, combine=combine, **common)]
+    else:
+        head = [sagm(rho, 0.0, combine=combine, **common)]
+    return optax.chain(
+        *head,
+        optax.add_decayed_weights(weight_decay),
+        optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8),
+        optax.scale_by_learning_rate(learning_rate),
+    )

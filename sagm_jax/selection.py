@@ -13,24 +13,34 @@ import numpy as np
 
 
 def training_domain_validation(records: list[dict], test_envs) -> dict:
-  """The record whose mean ``out`` accuracy over the TRAINING environments is highest.
+    """The record whose mean ``out`` accuracy over the TRAINING environments is highest.
 
-  The earliest such record wins a tie. Returns its ``step``, every
-  ``env{i}_{part}_acc`` and ``validation_acc`` (the mean that chose it).
-  """
-  if not records:
-    raise ValueError("training_domain_validation: no records to select from.")
-  test_envs = {int(e) for e in test_envs}
-  envs = sorted({int(k[3:].split("_")[0]) for k in records[0] if k.startswith("env")
-                 and k.endswith("_out_acc")})
-  train_envs = [e for e in envs if e not in test_envs]
-  if not train_envs:
-    raise ValueError(f"training_domain_validation: test_envs {sorted(test_envs)} leave no "
-                     "training environment in the records.")
-  scores = [float(np.mean([r[f"env{e}_out_acc"] for e in train_envs])) for r in records]
-  chosen = records[int(np.argmax(scores))]
-  return {"step": chosen["step"], "validation_acc": max(scores),
-          **{k: v for k, v in chosen.items() if k.startswith("env") and k.endswith("_acc")}}
+    The earliest such record wins a tie. Returns its ``step``, every
+    ``env{i}_{part}_acc`` and ``validation_acc`` (the mean that chose it).
+    """
+    if not records:
+        raise ValueError("training_domain_validation: no records to select from.")
+    test_envs = {int(e) for e in test_envs}
+    envs = sorted(
+        {
+            int(k[3:].split("_")[0])
+            for k in records[0]
+            if k.startswith("env") and k.endswith("_out_acc")
+        }
+    )
+    train_envs = [e for e in envs if e not in test_envs]
+    if not train_envs:
+        raise ValueError(
+            f"training_domain_validation: test_envs {sorted(test_envs)} leave no "
+            "training environment in the records."
+        )
+    scores = [float(np.mean([r[f"env{e}_out_acc"] for e in train_envs])) for r in records]
+    chosen = records[int(np.argmax(scores))]
+    return {
+        "step": chosen["step"],
+        "validation_acc": max(scores),
+        **{k: v for k, v in chosen.items() if k.startswith("env") and k.endswith("_acc")},
+    }
 
 
 # --- Selection across a sweep (DomainBed's ``model_selection.py``) ----------------
@@ -48,87 +58,107 @@ def training_domain_validation(records: list[dict], test_envs) -> dict:
 
 
 def training_domain_run(runs: dict, test_env: int) -> dict | None:
-  """DomainBed's "training-domain validation set": the checkpoint of the single-test-env
-  run with the best mean ``out`` accuracy over the training environments; ``test_acc``
-  is its ``env{t}_in_acc``."""
-  records = runs.get((test_env,))
-  if not records:
-    return None
-  chosen = training_domain_validation(records, [test_env])
-  return {"step": chosen["step"], "val_acc": chosen["validation_acc"],
-          "test_acc": chosen[f"env{test_env}_in_acc"]}
+    """DomainBed's "training-domain validation set": the checkpoint of the single-test-env
+    run with the best mean ``out`` accuracy over the training environments; ``test_acc``
+    is its ``env{t}_in_acc``."""
+    records = runs.get((test_env,))
+    if not records:
+        return None
+    chosen = training_domain_validation(records, [test_env])
+    return {
+        "step": chosen["step"],
+        "val_acc": chosen["validation_acc"],
+        "test_acc": chosen[f"env{test_env}_in_acc"],
+    }
 
 
 def in_domain_run(runs: dict, test_env: int) -> dict | None:
-  """Table 2's in-domain accuracy of a ``split="in_domain"`` run: the checkpoint chosen
-  by training-domain validation (the training environments' ``out`` = 20% validation
-  part), scored by the mean ``test`` accuracy (the 20% test part) over the training
-  environments."""
-  records = runs.get((test_env,))
-  if not records:
-    return None
-  chosen = training_domain_validation(records, [test_env])
-  test_keys = [k for k in chosen if k.endswith("_test_acc") and k != f"env{test_env}_test_acc"]
-  if not test_keys:
-    raise ValueError("in_domain_run: records have no env{i}_test_acc; they are not from a "
-                     'split="in_domain" run.')
-  return {"step": chosen["step"], "val_acc": chosen["validation_acc"],
-          "test_acc": float(np.mean([chosen[k] for k in test_keys]))}
+    """Table 2's in-domain accuracy of a ``split="in_domain"`` run: the checkpoint chosen
+    by training-domain validation (the training environments' ``out`` = 20% validation
+    part), scored by the mean ``test`` accuracy (the 20% test part) over the training
+    environments."""
+    records = runs.get((test_env,))
+    if not records:
+        return None
+    chosen = training_domain_validation(records, [test_env])
+    test_keys = [k for k in chosen if k.endswith("_test_acc") and k != f"env{test_env}_test_acc"]
+    if not test_keys:
+        raise ValueError(
+            "in_domain_run: records have no env{i}_test_acc; they are not from a "
+            'split="in_domain" run.'
+        )
+    return {
+        "step": chosen["step"],
+        "val_acc": chosen["validation_acc"],
+        "test_acc": float(np.mean([chosen[k] for k in test_keys])),
+    }
 
 
 def oracle_last_run(runs: dict, test_env: int) -> dict | None:
-  """DomainBed's "test-domain validation set (oracle)": the LAST checkpoint of the run;
-  ``val_acc`` is its test-environment ``out`` accuracy (which picks the setting)."""
-  records = runs.get((test_env,))
-  if not records:
-    return None
-  last = max(records, key=lambda r: r["step"])
-  return {"step": last["step"], "val_acc": last[f"env{test_env}_out_acc"],
-          "test_acc": last[f"env{test_env}_in_acc"]}
+    """DomainBed's "test-domain validation set (oracle)": the LAST checkpoint of the run;
+    ``val_acc`` is its test-environment ``out`` accuracy (which picks the setting)."""
+    records = runs.get((test_env,))
+    if not records:
+        return None
+    last = max(records, key=lambda r: r["step"])
+    return {
+        "step": last["step"],
+        "val_acc": last[f"env{test_env}_out_acc"],
+        "test_acc": last[f"env{test_env}_in_acc"],
+    }
 
 
 def oracle_best_run(runs: dict, test_env: int) -> dict | None:
-  """SWAD's oracle: ANY checkpoint, the one with the best test-environment ``out``
-  accuracy (earliest on a tie)."""
-  records = runs.get((test_env,))
-  if not records:
-    return None
-  scores = [r[f"env{test_env}_out_acc"] for r in records]
-  chosen = records[int(np.argmax(scores))]
-  return {"step": chosen["step"], "val_acc": max(scores),
-          "test_acc": chosen[f"env{test_env}_in_acc"]}
+    """SWAD's oracle: ANY checkpoint, the one with the best test-environment ``out``
+    accuracy (earliest on a tie)."""
+    records = runs.get((test_env,))
+    if not records:
+        return None
+    scores = [r[f"env{test_env}_out_acc"] for r in records]
+    chosen = records[int(np.argmax(scores))]
+    return {
+        "step": chosen["step"],
+        "val_acc": max(scores),
+        "test_acc": chosen[f"env{test_env}_in_acc"],
+    }
 
 
 def leave_one_out_run(runs: dict, test_env: int) -> dict | None:
-  """DomainBed's "leave-one-domain-out cross-validation" (``LeaveOneOutSelectionMethod``).
+    """DomainBed's "leave-one-domain-out cross-validation" (``LeaveOneOutSelectionMethod``).
 
-  With ``n`` environments and test environment ``t``: at each step ``s`` where the
-  single run ``(t,)`` has a record, every other environment ``v`` must have its pair
-  run ``(t, v)`` evaluated at ``s`` too (else the step is skipped). The pair run
-  trains on the ``n - 2`` remaining environments and holds out ``v`` as validation::
+    With ``n`` environments and test environment ``t``: at each step ``s`` where the
+    single run ``(t,)`` has a record, every other environment ``v`` must have its pair
+    run ``(t, v)`` evaluated at ``s`` too (else the step is skipped). The pair run
+    trains on the ``n - 2`` remaining environments and holds out ``v`` as validation::
 
-      val_acc(s)  = sum_{v != t} acc(run (t, v), step s, env{v}_in) / (n - 1)
-      test_acc(s) = acc(run (t,), step s, env{t}_in)
+        val_acc(s)  = sum_{v != t} acc(run (t, v), step s, env{v}_in) / (n - 1)
+        test_acc(s) = acc(run (t,), step s, env{t}_in)
 
-  The step with the highest ``val_acc`` is chosen (earliest on a tie). The validation
-  environment's ``in`` split (80%) is used, as in DomainBed.
-  """
-  single = runs.get((test_env,))
-  if not single:
-    return None
-  n_envs = sum(1 for k in single[0] if k.startswith("env") and k.endswith("_out_acc"))
-  by_step = {v: {r["step"]: r for r in runs.get(tuple(sorted((test_env, v))), [])}
-             for v in range(n_envs) if v != test_env}
-  best = None
-  for record in sorted(single, key=lambda r: r["step"]):
-    step = record["step"]
-    if any(step not in pair for pair in by_step.values()):
-      continue
-    val_acc = sum(pair[step][f"env{v}_in_acc"] for v, pair in by_step.items()) / (n_envs - 1)
-    if best is None or val_acc > best["val_acc"]:
-      best = {"step": step, "val_acc": float(val_acc),
-              "test_acc": record[f"env{test_env}_in_acc"]}
-  return best
+    The step with the highest ``val_acc`` is chosen (earliest on a tie). The validation
+    environment's ``in`` split (80%) is used, as in DomainBed.
+    """
+    single = runs.get((test_env,))
+    if not single:
+        return None
+    n_envs = sum(1 for k in single[0] if k.startswith("env") and k.endswith("_out_acc"))
+    by_step = {
+        v: {r["step"]: r for r in runs.get(tuple(sorted((test_env, v))), [])}
+        for v in range(n_envs)
+        if v != test_env
+    }
+    best = None
+    for record in sorted(single, key=lambda r: r["step"]):
+        step = record["step"]
+        if any(step not in pair for pair in by_step.values()):
+            continue
+        val_acc = sum(pair[step][f"env{v}_in_acc"] for v, pair in by_step.items()) / (n_envs - 1)
+        if best is None or val_acc > best["val_acc"]:
+            best = {
+                "step": step,
+                "val_acc": float(val_acc),
+                "test_acc": record[f"env{test_env}_in_acc"],
+            }
+    return best
 
 
 RUN_SELECTIONS = {
@@ -147,15 +177,15 @@ SELECTION_NAMES = {
 
 
 def sweep_selection(run_selection, settings: dict, test_env: int) -> dict | None:
-  """The setting whose chosen checkpoint has the highest ``val_acc``.
+    """The setting whose chosen checkpoint has the highest ``val_acc``.
 
-  ``settings`` maps a setting key to its runs (``{test_envs tuple: records}``);
-  ``run_selection`` is one of the ``*_run`` functions. Returns the chosen
-  ``{"step", "val_acc", "test_acc", "setting"}``, or None if no setting qualifies.
-  """
-  best = None
-  for key, runs in settings.items():
-    choice = run_selection(runs, test_env)
-    if choice is not None and (best is None or choice["val_acc"] > best["val_acc"]):
-      best = {**choice, "setting": key}
-  return best
+    ``settings`` maps a setting key to its runs (``{test_envs tuple: records}``);
+    ``run_selection`` is one of the ``*_run`` functions. Returns the chosen
+    ``{"step", "val_acc", "test_acc", "setting"}``, or None if no setting qualifies.
+    """
+    best = None
+    for key, runs in settings.items():
+        choice = run_selection(runs, test_env)
+        if choice is not None and (best is None or choice["val_acc"] > best["val_acc"]):
+            best = {**choice, "setting": key}
+    return best

@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
@@ -48,305 +47,402 @@ DONE = "done"
 
 
 def optimizer_from_config(config: ml_collections.ConfigDict, axis_name=None):
-  """The one place that turns a config into the optimizer."""
-  return paper_optimizer(
-      config.algorithm, learning_rate=config.lr, weight_decay=config.weight_decay,
-      rho=config.rho, alpha=config.alpha, combine=config.combine, adaptive=config.adaptive,
-      perturbation=config.perturbation,
-      axis_name=axis_name if config.perturbation == "per_device" else None)
+    """The one place that turns a config into the optimizer."""
+    return paper_optimizer(
+        config.algorithm,
+        learning_rate=config.lr,
+        weight_decay=config.weight_decay,
+        rho=config.rho,
+        alpha=config.alpha,
+        combine=config.combine,
+        adaptive=config.adaptive,
+        perturbation=config.perturbation,
+        axis_name=axis_name if config.perturbation == "per_device" else None,
+    )
 
 
 def model_from_config(config, dataset, key, pretrained: bool = True):
-  """The network and its variables, with the pretrained backbone of
-  ``config.pretrained_weights`` unless ``pretrained=False`` (the caller restores
-  a checkpoint instead). Returns ``(model, variables, weights_info)``."""
-  model = models.create(
-      config.arch, dataset.num_classes, dropout_rate=config.dropout,
-      freeze_batchnorm=config.freeze_batchnorm,
-      mixstyle_after=tuple(config.mixstyle_after) if config.mixstyle else (),
-      input_channels=dataset.input_shape[-1], cnn_widths=tuple(config.cnn_widths))
-  sample = jnp.zeros((1, *dataset.input_shape), jnp.float32)
-  variables = model.init(key, sample, train=False)
-  weights = {"file": None, "sha256": None}
-  if pretrained and config.pretrained_weights and config.pretrained_weights.lower() != "none":
-    state_dict, sha256 = models.load_weights(config.pretrained_weights)
-    converted = models.convert_torchvision(state_dict, arch=config.arch)
-    variables = models.with_pretrained_backbone(variables, converted)
-    weights = {"file": os.path.abspath(config.pretrained_weights), "sha256": sha256}
-  return model, variables, weights
+    """The network and its variables, with the pretrained backbone of
+    ``config.pretrained_weights`` unless ``pretrained=False`` (the caller restores
+    a checkpoint instead). Returns ``(model, variables, weights_info)``."""
+    model = models.create(
+        config.arch,
+        dataset.num_classes,
+        dropout_rate=config.dropout,
+        freeze_batchnorm=config.freeze_batchnorm,
+        mixstyle_after=tuple(config.mixstyle_after) if config.mixstyle else (),
+        input_channels=dataset.input_shape[-1],
+        cnn_widths=tuple(config.cnn_widths),
+    )
+    sample = jnp.zeros((1, *dataset.input_shape), jnp.float32)
+    variables = model.init(key, sample, train=False)
+    weights = {"file": None, "sha256": None}
+    if pretrained and config.pretrained_weights and config.pretrained_weights.lower() != "none":
+        state_dict, sha256 = models.load_weights(config.pretrained_weights)
+        converted = models.convert_torchvision(state_dict, arch=config.arch)
+        variables = models.with_pretrained_backbone(variables, converted)
+        weights = {"file": os.path.abspath(config.pretrained_weights), "sha256": sha256}
+    return model, variables, weights
 
 
 def _write_json(path, obj):
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=2, sort_keys=True, default=str)
-  os.replace(tmp, path)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True, default=str)
+    os.replace(tmp, path)
 
 
 def read_records(workdir: str) -> list[dict]:
-  path = os.path.join(workdir, RESULTS)
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+    path = os.path.join(workdir, RESULTS)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def _keep_records_before(workdir: str, step: int) -> list[dict]:
-  """Rewrites results.jsonl without records of steps a restored state has not done."""
-  records = [r for r in read_records(workdir) if r["step"] < step]
-  path = os.path.join(workdir, RESULTS)
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in records)
-  os.replace(tmp, path)
-  return records
+    """Rewrites results.jsonl without records of steps a restored state has not done."""
+    records = [r for r in read_records(workdir) if r["step"] < step]
+    path = os.path.join(workdir, RESULTS)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in records)
+    os.replace(tmp, path)
+    return records
 
 
 def _append_record(workdir: str, record: dict) -> None:
-  with open(os.path.join(workdir, RESULTS), "a") as f:
-    f.write(json.dumps(record, sort_keys=True) + "\n")
-    f.flush()
-    os.fsync(f.fileno())
+    with open(os.path.join(workdir, RESULTS), "a") as f:
+        f.write(json.dumps(record, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _check_same_config(workdir: str, config_dict: dict) -> None:
-  path = os.path.join(workdir, "config.json")
-  if not os.path.exists(path):
-    return
-  with open(path) as f:
-    previous = json.load(f)
-  current = json.loads(json.dumps(config_dict, default=str))
-  changed = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
-  if changed:
-    raise ValueError(
-        f"{path} holds a run with a different config (keys {changed} differ); resuming it "
-        "would mix two runs. Use another --workdir, or delete that directory.")
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        previous = json.load(f)
+    current = json.loads(json.dumps(config_dict, default=str))
+    changed = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
+    if changed:
+        raise ValueError(
+            f"{path} holds a run with a different config (keys {changed} differ); resuming it "
+            "would mix two runs. Use another --workdir, or delete that directory."
+        )
 
 
 def make_eval_step(model, compute_dtype):
-  def eval_step(params, batch_stats, batch):
-    variables = {"params": jax.tree.map(lambda p: p.astype(compute_dtype), params)}
-    if batch_stats:
-      variables["batch_stats"] = batch_stats
-    logits = model.apply(variables, batch["image"].astype(compute_dtype), train=False)
-    correct = (jnp.argmax(logits, -1) == batch["label"]) & batch["mask"]
-    return jnp.sum(correct), jnp.sum(batch["mask"])
-  return jax.jit(eval_step)
+    def eval_step(params, batch_stats, batch):
+        variables = {"params": jax.tree.map(lambda p: p.astype(compute_dtype), params)}
+        if batch_stats:
+            variables["batch_stats"] = batch_stats
+        logits = model.apply(variables, batch["image"].astype(compute_dtype), train=False)
+        correct = (jnp.argmax(logits, -1) == batch["label"]) & batch["mask"]
+        return jnp.sum(correct), jnp.sum(batch["mask"])
+
+    return jax.jit(eval_step)
 
 
 def evaluate(eval_step, state, dataset, mesh, config, train_envs) -> dict:
-  """``env{i}_{part}_acc`` over every example of every split part of every environment."""
-  accuracies = {}
-  for env in range(len(dataset.env_names)):
-    for part in dataset.splits[env]:
-      augment = config.augment_validation and part == "out" and env in train_envs
-      correct = total = 0
-      for batch in dataset.eval_iterator(env, part, batch_size=config.eval_batch_size,
-                                         augment=augment, seed=config.seed):
-        c, n = eval_step(state.params, state.batch_stats, data_lib.to_global_batch(batch, mesh))
-        correct, total = correct + int(c), total + int(n)
-      accuracies[f"env{env}_{part}_acc"] = correct / total if total else float("nan")
-  return accuracies
+    """``env{i}_{part}_acc`` over every example of every split part of every environment."""
+    accuracies = {}
+    for env in range(len(dataset.env_names)):
+        for part in dataset.splits[env]:
+            augment = config.augment_validation and part == "out" and env in train_envs
+            correct = total = 0
+            for batch in dataset.eval_iterator(
+                env, part, batch_size=config.eval_batch_size, augment=augment, seed=config.seed
+            ):
+                c, n = eval_step(
+                    state.params, state.batch_stats, data_lib.to_global_batch(batch, mesh)
+                )
+                correct, total = correct + int(c), total + int(n)
+            accuracies[f"env{env}_{part}_acc"] = correct / total if total else float("nan")
+    return accuracies
 
 
 def _checkpoint_managers(workdir: str):
-  directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
-  latest = ocp.CheckpointManager(os.path.join(directory, "latest"),
-                                 options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True))
-  best = ocp.CheckpointManager(os.path.join(directory, "best"),
-                               options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True))
-  return latest, best
+    directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+    latest = ocp.CheckpointManager(
+        os.path.join(directory, "latest"),
+        options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True),
+    )
+    best = ocp.CheckpointManager(
+        os.path.join(directory, "best"),
+        options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True),
+    )
+    return latest, best
 
 
 def _all_finite(tree) -> bool:
-  return bool(jax.tree.reduce(lambda a, x: a & jnp.all(jnp.isfinite(x)), tree, jnp.array(True)))
+    return bool(jax.tree.reduce(lambda a, x: a & jnp.all(jnp.isfinite(x)), tree, jnp.array(True)))
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
-  """Trains one run with ``config.test_envs`` held out; returns its records."""
-  validate(config)
-  is_main = jax.process_index() == 0
-  os.makedirs(workdir, exist_ok=True)
-  if os.path.exists(os.path.join(workdir, DONE)):
-    records = read_records(workdir)
-    print(f"{workdir}: already done; not training again.")
-    print_summary(records, list(config.test_envs))
-    return records
+    """Trains one run with ``config.test_envs`` held out; returns its records."""
+    validate(config)
+    is_main = jax.process_index() == 0
+    os.makedirs(workdir, exist_ok=True)
+    if os.path.exists(os.path.join(workdir, DONE)):
+        records = read_records(workdir)
+        print(f"{workdir}: already done; not training again.")
+        print_summary(records, list(config.test_envs))
+        return records
 
-  dataset = data_lib.load(config.dataset, config.data_dir or None, trial_seed=config.trial_seed,
-                          holdout_fraction=config.holdout_fraction, split=config.split,
-                          skip_bad_files=config.skip_bad_files, data_seed=config.seed,
-                          image_size=config.image_size)
-  n_envs = len(dataset.env_names)
-  test_envs = [int(e) for e in config.test_envs]
-  if not test_envs or any(not 0 <= e < n_envs for e in test_envs):
-    raise ValueError(f"config.test_envs={tuple(config.test_envs)}: expected indices in "
-                     f"0..{n_envs - 1} of {config.dataset}'s environments {dataset.env_names}.")
-  train_envs = [e for e in range(n_envs) if e not in test_envs]
-  if not train_envs:
-    raise ValueError(f"config.test_envs={tuple(config.test_envs)} leaves no training environment.")
+    dataset = data_lib.load(
+        config.dataset,
+        config.data_dir or None,
+        trial_seed=config.trial_seed,
+        holdout_fraction=config.holdout_fraction,
+        split=config.split,
+        skip_bad_files=config.skip_bad_files,
+        data_seed=config.seed,
+        image_size=config.image_size,
+    )
+    n_envs = len(dataset.env_names)
+    test_envs = [int(e) for e in config.test_envs]
+    if not test_envs or any(not 0 <= e < n_envs for e in test_envs):
+        raise ValueError(
+            f"config.test_envs={tuple(config.test_envs)}: expected indices in "
+            f"0..{n_envs - 1} of {config.dataset}'s environments {dataset.env_names}."
+        )
+    train_envs = [e for e in range(n_envs) if e not in test_envs]
+    if not train_envs:
+        raise ValueError(
+            f"config.test_envs={tuple(config.test_envs)} leaves no training environment."
+        )
 
-  config_dict = config.to_dict()
-  if is_main:
-    _check_same_config(workdir, config_dict)
-    _write_json(os.path.join(workdir, "config.json"), config_dict)
-    dataset.write_split(workdir)
-    if dataset.skipped:
-      print(f"Skipped {len(dataset.skipped)} unreadable files (listed in split.json).")
+    config_dict = config.to_dict()
+    if is_main:
+        _check_same_config(workdir, config_dict)
+        _write_json(os.path.join(workdir, "config.json"), config_dict)
+        dataset.write_split(workdir)
+        if dataset.skipped:
+            print(f"Skipped {len(dataset.skipped)} unreadable files (listed in split.json).")
 
-  init_key, step_key = jax.random.split(jax.random.key(config.seed))
-  model, variables, weights = model_from_config(config, dataset, init_key)
-  if is_main:
-    _write_json(os.path.join(workdir, "run_info.json"), {
-        "weights": weights, "dataset": config.dataset, "env_names": dataset.env_names,
-        "fingerprint": dataset.fingerprint, "train_envs": train_envs, "test_envs": test_envs,
-        "devices": [str(d) for d in jax.devices()], "process_count": jax.process_count(),
-        "jax": jax.__version__, "python": platform.python_version()})
+    init_key, step_key = jax.random.split(jax.random.key(config.seed))
+    model, variables, weights = model_from_config(config, dataset, init_key)
+    if is_main:
+        _write_json(
+            os.path.join(workdir, "run_info.json"),
+            {
+                "weights": weights,
+                "dataset": config.dataset,
+                "env_names": dataset.env_names,
+                "fingerprint": dataset.fingerprint,
+                "train_envs": train_envs,
+                "test_envs": test_envs,
+                "devices": [str(d) for d in jax.devices()],
+                "process_count": jax.process_count(),
+                "jax": jax.__version__,
+                "python": platform.python_version(),
+            },
+        )
 
-  devices = jax.devices()[:config.num_devices or None]
-  mesh = jax.sharding.Mesh(np.array(devices), ("batch",))
-  for key, size in (("batch_per_env * len(train_envs)", config.batch_per_env * len(train_envs)),
-                    ("eval_batch_size", config.eval_batch_size)):
-    if size % len(devices):
-      raise ValueError(f"config.{key} = {size} does not divide among {len(devices)} devices; "
-                       "choose config.batch_per_env / config.eval_batch_size, or "
-                       "config.num_devices, so that it does.")
-  replicated = NamedSharding(mesh, P())
-  optimizer = optimizer_from_config(config, axis_name="batch")
-  compute_dtype = jnp.dtype(config.compute_dtype)
-  step_fn = make_train_step(
-      model, optimizer, algorithm=config.algorithm, use_mixstyle=config.mixstyle,
-      train_batchnorm=not config.freeze_batchnorm, shared_dropout=config.shared_dropout,
-      compute_dtype=compute_dtype,
-      axis_name="batch" if config.perturbation == "per_device" else None)
-  if config.perturbation == "per_device":
-    # m-sharpness: each device differentiates its own shard (check_vma=False keeps
-    # gradients of replicated parameters local, as under pmap).
-    step_fn = jax.shard_map(step_fn, mesh=mesh, in_specs=(P(), P("batch"), P()),
-                            out_specs=(P(), P()), check_vma=False)
-  train_step = jax.jit(step_fn, donate_argnums=0)
-  eval_step = make_eval_step(model, compute_dtype)
-  state = jax.device_put(create_train_state(variables, optimizer), replicated)
+    devices = jax.devices()[: config.num_devices or None]
+    mesh = jax.sharding.Mesh(np.array(devices), ("batch",))
+    for key, size in (
+        ("batch_per_env * len(train_envs)", config.batch_per_env * len(train_envs)),
+        ("eval_batch_size", config.eval_batch_size),
+    ):
+        if size % len(devices):
+            raise ValueError(
+                f"config.{key} = {size} does not divide among {len(devices)} devices; "
+                "choose config.batch_per_env / config.eval_batch_size, or "
+                "config.num_devices, so that it does."
+            )
+    replicated = NamedSharding(mesh, P())
+    optimizer = optimizer_from_config(config, axis_name="batch")
+    compute_dtype = jnp.dtype(config.compute_dtype)
+    step_fn = make_train_step(
+        model,
+        optimizer,
+        algorithm=config.algorithm,
+        use_mixstyle=config.mixstyle,
+        train_batchnorm=not config.freeze_batchnorm,
+        shared_dropout=config.shared_dropout,
+        compute_dtype=compute_dtype,
+        axis_name="batch" if config.perturbation == "per_device" else None,
+    )
+    if config.perturbation == "per_device":
+        # m-sharpness: each device differentiates its own shard (check_vma=False keeps
+        # gradients of replicated parameters local, as under pmap).
+        step_fn = jax.shard_map(
+            step_fn,
+            mesh=mesh,
+            in_specs=(P(), P("batch"), P()),
+            out_specs=(P(), P()),
+            check_vma=False,
+        )
+    train_step = jax.jit(step_fn, donate_argnums=0)
+    eval_step = make_eval_step(model, compute_dtype)
+    state = jax.device_put(create_train_state(variables, optimizer), replicated)
 
-  latest, best = _checkpoint_managers(workdir) if config.checkpoint else (None, None)
-  records = []
-  if latest is not None and latest.latest_step() is not None:
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-    state = latest.restore(latest.latest_step(), args=ocp.args.StandardRestore(abstract))
-    records = _keep_records_before(workdir, int(state.step)) if is_main else []
-    print(f"{workdir}: resumed at step {int(state.step)}.")
-  elif is_main:
-    _keep_records_before(workdir, 0)
-  start = int(state.step)
-  best_validation = max((_validation(r, train_envs) for r in records), default=-1.0)
+    latest, best = _checkpoint_managers(workdir) if config.checkpoint else (None, None)
+    records = []
+    if latest is not None and latest.latest_step() is not None:
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+        state = latest.restore(latest.latest_step(), args=ocp.args.StandardRestore(abstract))
+        records = _keep_records_before(workdir, int(state.step)) if is_main else []
+        print(f"{workdir}: resumed at step {int(state.step)}.")
+    elif is_main:
+        _keep_records_before(workdir, 0)
+    start = int(state.step)
+    best_validation = max((_validation(r, train_envs) for r in records), default=-1.0)
 
-  writer = _metric_writer(workdir, is_main)
-  batches = dataset.train_iterator(train_envs, seed=config.seed,
-                                   batch_per_env=config.batch_per_env, start_step=start)
-  loss_sum, loss_count = jnp.zeros([], jnp.float32), 0
-  progress = tqdm(total=config.steps, initial=start, unit="step", disable=not is_main,
-                  dynamic_ncols=True)
-  try:
-    for t in range(start, config.steps):
-      state, metrics = train_step(state, data_lib.to_global_batch(next(batches), mesh), step_key)
-      loss_sum, loss_count = loss_sum + metrics["loss"], loss_count + 1
-      progress.update(1)
-      if t % config.log_every == 0:
-        loss = float(metrics["loss"])
-        if not np.isfinite(loss):
-          _stop_non_finite(workdir, t, loss, latest)
-        progress.set_postfix(loss=f"{loss:.4f}")
-        writer.write_scalars(t, {"train/loss": loss})
-      if t % config.eval_every == 0 or t == config.steps - 1:
-        mean_loss = float(loss_sum) / loss_count
-        if not (np.isfinite(mean_loss) and _all_finite(state.params)):
-          _stop_non_finite(workdir, t, mean_loss, latest)
-        record = {"step": t, "loss": mean_loss,
-                  "epoch": (t + 1) * config.batch_per_env / min(
-                      len(dataset.splits[e]["in"]) for e in train_envs),
-                  **evaluate(eval_step, state, dataset, mesh, config, train_envs),
-                  "args": {"dataset": config.dataset, "algorithm": config.algorithm,
-                           "test_envs": test_envs, "trial_seed": config.trial_seed,
-                           "seed": config.seed, "output_dir": os.path.abspath(workdir)},
-                  "hparams": {k: config_dict[k] for k in (
-                      "lr", "weight_decay", "dropout", "rho", "alpha", "batch_per_env",
-                      "combine", "mixstyle", "perturbation")},
-                  "config": config_dict}
-        if is_main:
-          _append_record(workdir, record)
-        records.append(record)
-        writer.write_scalars(t, {k: v for k, v in record.items() if k.endswith("_acc")})
+    writer = _metric_writer(workdir, is_main)
+    batches = dataset.train_iterator(
+        train_envs, seed=config.seed, batch_per_env=config.batch_per_env, start_step=start
+    )
+    loss_sum, loss_count = jnp.zeros([], jnp.float32), 0
+    progress = tqdm(
+        total=config.steps, initial=start, unit="step", disable=not is_main, dynamic_ncols=True
+    )
+    try:
+        for t in range(start, config.steps):
+            state, metrics = train_step(
+                state, data_lib.to_global_batch(next(batches), mesh), step_key
+            )
+            loss_sum, loss_count = loss_sum + metrics["loss"], loss_count + 1
+            progress.update(1)
+            if t % config.log_every == 0:
+                loss = float(metrics["loss"])
+                if not np.isfinite(loss):
+                    _stop_non_finite(workdir, t, loss, latest)
+                progress.set_postfix(loss=f"{loss:.4f}")
+                writer.write_scalars(t, {"train/loss": loss})
+            if t % config.eval_every == 0 or t == config.steps - 1:
+                mean_loss = float(loss_sum) / loss_count
+                if not (np.isfinite(mean_loss) and _all_finite(state.params)):
+                    _stop_non_finite(workdir, t, mean_loss, latest)
+                record = {
+                    "step": t,
+                    "loss": mean_loss,
+                    "epoch": (t + 1)
+                    * config.batch_per_env
+                    / min(len(dataset.splits[e]["in"]) for e in train_envs),
+                    **evaluate(eval_step, state, dataset, mesh, config, train_envs),
+                    "args": {
+                        "dataset": config.dataset,
+                        "algorithm": config.algorithm,
+                        "test_envs": test_envs,
+                        "trial_seed": config.trial_seed,
+                        "seed": config.seed,
+                        "output_dir": os.path.abspath(workdir),
+                    },
+                    "hparams": {
+                        k: config_dict[k]
+                        for k in (
+                            "lr",
+                            "weight_decay",
+                            "dropout",
+                            "rho",
+                            "alpha",
+                            "batch_per_env",
+                            "combine",
+                            "mixstyle",
+                            "perturbation",
+                        )
+                    },
+                    "config": config_dict,
+                }
+                if is_main:
+                    _append_record(workdir, record)
+                records.append(record)
+                writer.write_scalars(t, {k: v for k, v in record.items() if k.endswith("_acc")})
+                if latest is not None:
+                    latest.save(t + 1, args=ocp.args.StandardSave(state))
+                    validation = _validation(record, train_envs)
+                    if validation > best_validation:
+                        best_validation = validation
+                        best.save(t + 1, args=ocp.args.StandardSave(state))
+                loss_sum, loss_count = jnp.zeros([], jnp.float32), 0
+    finally:  # a pending asynchronous save completes even when the loop fails
+        progress.close()
         if latest is not None:
-          latest.save(t + 1, args=ocp.args.StandardSave(state))
-          validation = _validation(record, train_envs)
-          if validation > best_validation:
-            best_validation = validation
-            best.save(t + 1, args=ocp.args.StandardSave(state))
-        loss_sum, loss_count = jnp.zeros([], jnp.float32), 0
-  finally:  # a pending asynchronous save completes even when the loop fails
-    progress.close()
-    if latest is not None:
-      latest.wait_until_finished()
-      best.wait_until_finished()
-  writer.flush()
-  if is_main:
-    with open(os.path.join(workdir, DONE), "w") as f:
-      f.write("done\n")
-    print_summary(records, test_envs)
-  return records
+            latest.wait_until_finished()
+            best.wait_until_finished()
+    writer.flush()
+    if is_main:
+        with open(os.path.join(workdir, DONE), "w") as f:
+            f.write("done\n")
+        print_summary(records, test_envs)
+    return records
 
 
 def _validation(record: dict, train_envs) -> float:
-  return float(np.mean([record[f"env{e}_out_acc"] for e in train_envs]))
+    return float(np.mean([record[f"env{e}_out_acc"] for e in train_envs]))
 
 
 def _stop_non_finite(workdir, step, loss, latest):
-  if latest is not None:
-    latest.wait_until_finished()
-  kept = "no checkpoint yet" if latest is None or latest.latest_step() is None else (
-      f"the last good checkpoint, step {latest.latest_step()}, is kept in "
-      f"{os.path.join(workdir, 'checkpoints', 'latest')}")
-  raise FloatingPointError(
-      f"Non-finite training loss ({loss}) or parameters at step {step}; stopping. {kept}. "
-      "Lower config.lr, or check the data.")
+    if latest is not None:
+        latest.wait_until_finished()
+    kept = (
+        "no checkpoint yet"
+        if latest is None or latest.latest_step() is None
+        else (
+            f"the last good checkpoint, step {latest.latest_step()}, is kept in "
+            f"{os.path.join(workdir, 'checkpoints', 'latest')}"
+        )
+    )
+    raise FloatingPointError(
+        f"Non-finite training loss ({loss}) or parameters at step {step}; stopping. {kept}. "
+        "Lower config.lr, or check the data."
+    )
 
 
 def _metric_writer(workdir: str, is_main: bool):
-  from sagm_jax.data import tf_input  # noqa: F401  keeps TensorFlow off accelerators
-  from clu import metric_writers
-  return metric_writers.create_default_writer(workdir, just_logging=not is_main)
+    from sagm_jax.data import tf_input  # noqa: F401  keeps TensorFlow off accelerators
+    from clu import metric_writers
+
+    return metric_writers.create_default_writer(workdir, just_logging=not is_main)
 
 
 def print_summary(records: list[dict], test_envs) -> None:
-  """The step chosen by training-domain validation and its accuracy per environment."""
-  if not records:
-    print("No evaluation records.")
-    return
-  chosen = training_domain_validation(records, test_envs)
-  envs = sorted({int(k[3:].split("_")[0]) for k in chosen if k.startswith("env")})
-  print(f"Selected step {chosen['step']} by training-domain validation "
-        f"(mean training-domain 'out' accuracy {chosen['validation_acc']:.4f}):")
-  for e in envs:
-    role = "test " if e in test_envs else "train"
-    parts = ", ".join(f"{k.split('_')[1]} {chosen[k]:.4f}" for k in sorted(chosen)
-                      if k.startswith(f"env{e}_") and k.endswith("_acc"))
-    print(f"  env{e} ({role}): {parts}")
+    """The step chosen by training-domain validation and its accuracy per environment."""
+    if not records:
+        print("No evaluation records.")
+        return
+    chosen = training_domain_validation(records, test_envs)
+    envs = sorted({int(k[3:].split("_")[0]) for k in chosen if k.startswith("env")})
+    print(
+        f"Selected step {chosen['step']} by training-domain validation "
+        f"(mean training-domain 'out' accuracy {chosen['validation_acc']:.4f}):"
+    )
+    for e in envs:
+        role = "test " if e in test_envs else "train"
+        parts = ", ".join(
+            f"{k.split('_')[1]} {chosen[k]:.4f}"
+            for k in sorted(chosen)
+            if k.startswith(f"env{e}_") and k.endswith("_acc")
+        )
+        print(f"  env{e} ({role}): {parts}")
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Any:
-  """Runs ``config.test_envs``, or every environment in turn with ``config.all_test_envs``."""
-  if not config.all_test_envs:
-    return run(config, workdir)
-  n_envs = len(data_lib.load(config.dataset, config.data_dir or None,
-                             trial_seed=config.trial_seed, data_seed=config.seed,
-                             image_size=config.image_size).env_names)
-  table = {}
-  for env in range(n_envs):
-    env_config = ml_collections.ConfigDict(config.to_dict())
-    env_config.test_envs, env_config.all_test_envs = (env,), False
-    records = run(env_config, os.path.join(workdir, f"test_env{env}"))
-    table[env] = training_domain_validation(records, [env])[f"env{env}_in_acc"]
-  print(f"\n{config.dataset} / {config.algorithm}, test accuracy (training-domain validation):")
-  print(" | ".join(f"env{e} {100 * a:.1f}" for e, a in table.items())
-        + f" | avg {100 * np.mean(list(table.values())):.1f}")
-  return table
+    """Runs ``config.test_envs``, or every environment in turn with ``config.all_test_envs``."""
+    if not config.all_test_envs:
+        return run(config, workdir)
+    n_envs = len(
+        data_lib.load(
+            config.dataset,
+            config.data_dir or None,
+            trial_seed=config.trial_seed,
+            data_seed=config.seed,
+            image_size=config.image_size,
+        ).env_names
+    )
+    table = {}
+    for env in range(n_envs):
+        env_config = ml_collections.ConfigDict(config.to_dict())
+        env_config.test_envs, env_config.all_test_envs = (env,), False
+        records = run(env_config, os.path.join(workdir, f"test_env{env}"))
+        table[env] = training_domain_validation(records, [env])[f"env{env}_in_acc"]
+    print(f"\n{config.dataset} / {config.algorithm}, test accuracy (training-domain validation):")
+    print(
+        " | ".join(f"env{e} {100 * a:.1f}" for e, a in table.items())
+        + f" | avg {100 * np.mean(list(table.values())):.1f}"
+    )
+    return table

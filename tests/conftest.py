@@ -3,6 +3,7 @@
 XLA reads the flag once, when the backend starts, so it is set before anything
 imports jax. Tests that need one device build a one-device mesh explicitly.
 """
+
 import os
 
 os.environ["XLA_FLAGS"] = (

@@ -21,201 +21,278 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def digits_config(**overrides):
-  config = mnist_config("RotatedDigits")
-  config.update(dict(batch_per_env=8, steps=5, eval_every=2, log_every=1, eval_batch_size=64,
-                     cnn_widths=(16, 32, 32, 32)))
-  config.update(overrides)
-  return config
+    config = mnist_config("RotatedDigits")
+    config.update(
+        dict(
+            batch_per_env=8,
+            steps=5,
+            eval_every=2,
+            log_every=1,
+            eval_batch_size=64,
+            cnn_widths=(16, 32, 32, 32),
+        )
+    )
+    config.update(overrides)
+    return config
 
 
 def restore_params(workdir, which="latest"):
-  manager = ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints", which))
-  restored = manager.restore(manager.latest_step())
-  return restored["params"]
+    manager = ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints", which))
+    restored = manager.restore(manager.latest_step())
+    return restored["params"]
 
 
 def test_rotated_digits_end_to_end(tmp_path):
-  records = train.train_and_evaluate(digits_config(), str(tmp_path))
-  assert [r["step"] for r in records] == [0, 2, 4]
-  on_disk = train.read_records(str(tmp_path))
-  assert [r["step"] for r in on_disk] == [0, 2, 4]
-  for record in on_disk:
-    assert np.isfinite(record["loss"])
-    for env in range(6):
-      for part in ("in", "out"):
-        assert 0.0 <= record[f"env{env}_{part}_acc"] <= 1.0
-    assert record["args"]["test_envs"] == [0] and record["hparams"]["lr"] == 1e-3
-  for name in ("config.json", "run_info.json", "split.json", "done"):
-    assert os.path.exists(tmp_path / name), name
-  assert any(n.startswith("events.out.tfevents") for n in os.listdir(tmp_path))
-  assert os.listdir(tmp_path / "checkpoints" / "latest") == ["5"]
-  # A finished run is not trained again.
-  again = train.train_and_evaluate(digits_config(), str(tmp_path))
-  assert [r["step"] for r in again] == [0, 2, 4]
-  assert len(train.read_records(str(tmp_path))) == 3
+    records = train.train_and_evaluate(digits_config(), str(tmp_path))
+    assert [r["step"] for r in records] == [0, 2, 4]
+    on_disk = train.read_records(str(tmp_path))
+    assert [r["step"] for r in on_disk] == [0, 2, 4]
+    for record in on_disk:
+        assert np.isfinite(record["loss"])
+        for env in range(6):
+            for part in ("in", "out"):
+                assert 0.0 <= record[f"env{env}_{part}_acc"] <= 1.0
+        assert record["args"]["test_envs"] == [0] and record["hparams"]["lr"] == 1e-3
+    for name in ("config.json", "run_info.json", "split.json", "done"):
+        assert os.path.exists(tmp_path / name), name
+    assert any(n.startswith("events.out.tfevents") for n in os.listdir(tmp_path))
+    assert os.listdir(tmp_path / "checkpoints" / "latest") == ["5"]
+    # A finished run is not trained again.
+    again = train.train_and_evaluate(digits_config(), str(tmp_path))
+    assert [r["step"] for r in again] == [0, 2, 4]
+    assert len(train.read_records(str(tmp_path))) == 3
 
 
 def write_image_tree(root, domains=("art", "photo", "sketch"), classes=("cat", "dog"), n=4):
-  rng = np.random.default_rng(0)
-  for d in domains:
-    for c in classes:
-      os.makedirs(root / d / c)
-      for k in range(n):
-        size = (int(rng.integers(20, 50)), int(rng.integers(20, 50)))
-        pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-        Image.fromarray(pixels).save(root / d / c / f"{k}.jpg")
+    rng = np.random.default_rng(0)
+    for d in domains:
+        for c in classes:
+            os.makedirs(root / d / c)
+            for k in range(n):
+                size = (int(rng.integers(20, 50)), int(rng.integers(20, 50)))
+                pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(root / d / c / f"{k}.jpg")
 
 
 def test_image_folder_with_pretrained_resnet18(tmp_path):
-  write_image_tree(tmp_path / "data")
-  weights = synthetic.draw_torchvision_weights("resnet18", seed=0)
-  weights_file = str(tmp_path / "resnet18.safetensors")
-  models.save_weights(weights, weights_file)
-  config = base_config()
-  config.update(dict(dataset="ImageFolder", data_dir=str(tmp_path / "data"), arch="resnet18",
-                     pretrained_weights=weights_file, image_size=32, batch_per_env=4, steps=2,
-                     eval_every=1, eval_batch_size=8, test_envs=(1,), lr=1e-4))
-  records = train.train_and_evaluate(config, str(tmp_path / "run"))
-  assert [r["step"] for r in records] == [0, 1]
-  with open(tmp_path / "run" / "run_info.json") as f:
-    info = json.load(f)
-  assert info["weights"]["sha256"] == models.file_sha256(weights_file)
-  assert info["test_envs"] == [1] and info["train_envs"] == [0, 2]
-  # The backbone started from the file: the first conv moved by at most a few lr steps.
-  conv1 = np.asarray(restore_params(tmp_path / "run")["conv1"]["kernel"])
-  np.testing.assert_allclose(conv1, weights["conv1.weight"].transpose(2, 3, 1, 0), atol=1e-3)
+    write_image_tree(tmp_path / "data")
+    weights = synthetic.draw_torchvision_weights("resnet18", seed=0)
+    weights_file = str(tmp_path / "resnet18.safetensors")
+    models.save_weights(weights, weights_file)
+    config = base_config()
+    config.update(
+        dict(
+            dataset="ImageFolder",
+            data_dir=str(tmp_path / "data"),
+            arch="resnet18",
+            pretrained_weights=weights_file,
+            image_size=32,
+            batch_per_env=4,
+            steps=2,
+            eval_every=1,
+            eval_batch_size=8,
+            test_envs=(1,),
+            lr=1e-4,
+        )
+    )
+    records = train.train_and_evaluate(config, str(tmp_path / "run"))
+    assert [r["step"] for r in records] == [0, 1]
+    with open(tmp_path / "run" / "run_info.json") as f:
+        info = json.load(f)
+    assert info["weights"]["sha256"] == models.file_sha256(weights_file)
+    assert info["test_envs"] == [1] and info["train_envs"] == [0, 2]
+    # The backbone started from the file: the first conv moved by at most a few lr steps.
+    conv1 = np.asarray(restore_params(tmp_path / "run")["conv1"]["kernel"])
+    np.testing.assert_allclose(conv1, weights["conv1.weight"].transpose(2, 3, 1, 0), atol=1e-3)
 
 
 def test_all_test_envs_runs_each_environment(tmp_path, capsys):
-  write_image_tree(tmp_path / "data", n=3)
-  config = base_config()
-  config.update(dict(dataset="ImageFolder", data_dir=str(tmp_path / "data"), arch="mnist_cnn",
-                     pretrained_weights="none", image_size=16, batch_per_env=4, steps=1,
-                     eval_batch_size=8, all_test_envs=True, algorithm="erm"))
-  table = train.train_and_evaluate(config, str(tmp_path / "run"))
-  assert sorted(table) == [0, 1, 2]
-  for env in range(3):
-    assert os.path.exists(tmp_path / "run" / f"test_env{env}" / "done")
-  assert "test accuracy (training-domain validation)" in capsys.readouterr().out
+    write_image_tree(tmp_path / "data", n=3)
+    config = base_config()
+    config.update(
+        dict(
+            dataset="ImageFolder",
+            data_dir=str(tmp_path / "data"),
+            arch="mnist_cnn",
+            pretrained_weights="none",
+            image_size=16,
+            batch_per_env=4,
+            steps=1,
+            eval_batch_size=8,
+            all_test_envs=True,
+            algorithm="erm",
+        )
+    )
+    table = train.train_and_evaluate(config, str(tmp_path / "run"))
+    assert sorted(table) == [0, 1, 2]
+    for env in range(3):
+        assert os.path.exists(tmp_path / "run" / f"test_env{env}" / "done")
+    assert "test accuracy (training-domain validation)" in capsys.readouterr().out
 
 
 def test_one_device_and_eight_devices_give_the_same_run(tmp_path):
-  assert jax.device_count() == 8
-  one = train.train_and_evaluate(digits_config(num_devices=1, steps=1), str(tmp_path / "one"))
-  eight = train.train_and_evaluate(digits_config(num_devices=8, steps=1), str(tmp_path / "eight"))
-  for key in one[0]:
-    if key.endswith("_acc"):
-      assert one[0][key] == pytest.approx(eight[0][key], abs=1.0 / 60), key  # one example at most
-  assert one[0]["loss"] == pytest.approx(eight[0]["loss"], rel=1e-6)
-  one_params = np.concatenate([np.ravel(p) for p in jax.tree.leaves(restore_params(tmp_path / "one"))])
-  eight_params = np.concatenate([np.ravel(p) for p in
-                                 jax.tree.leaves(restore_params(tmp_path / "eight"))])
-  # One SAGM step. The gradients agree to float32 rounding (sums in another order);
-  # Adam's first step, lr * d / (|d| + eps), turns that into a visible difference only
-  # where |d| is itself at rounding level. A per-device perturbation, the likely bug,
-  # would change most coordinates. Longer runs drift apart chaotically in float32;
-  # the optimizer alone is compared exactly, in float64, in tests/test_optimizers.py.
-  agree = np.isclose(one_params, eight_params, rtol=1e-4, atol=1e-6)
-  assert agree.mean() > 0.999, agree.mean()
-  assert np.max(np.abs(one_params - eight_params)) <= 2 * 1e-3
+    assert jax.device_count() == 8
+    one = train.train_and_evaluate(digits_config(num_devices=1, steps=1), str(tmp_path / "one"))
+    eight = train.train_and_evaluate(digits_config(num_devices=8, steps=1), str(tmp_path / "eight"))
+    for key in one[0]:
+        if key.endswith("_acc"):
+            assert one[0][key] == pytest.approx(eight[0][key], abs=1.0 / 60), (
+                key
+            )  # one example at most
+    assert one[0]["loss"] == pytest.approx(eight[0]["loss"], rel=1e-6)
+    one_params = np.concatenate(
+        [np.ravel(p) for p in jax.tree.leaves(restore_params(tmp_path / "one"))]
+    )
+    eight_params = np.concatenate(
+        [np.ravel(p) for p in jax.tree.leaves(restore_params(tmp_path / "eight"))]
+    )
+    # One SAGM step. The gradients agree to float32 rounding (sums in another order);
+    # Adam's first step, lr * d / (|d| + eps), turns that into a visible difference only
+    # where |d| is itself at rounding level. A per-device perturbation, the likely bug,
+    # would change most coordinates. Longer runs drift apart chaotically in float32;
+    # the optimizer alone is compared exactly, in float64, in tests/test_optimizers.py.
+    agree = np.isclose(one_params, eight_params, rtol=1e-4, atol=1e-6)
+    assert agree.mean() > 0.999, agree.mean()
+    assert np.max(np.abs(one_params - eight_params)) <= 2 * 1e-3
 
 
 def test_per_device_perturbation_runs_and_differs_from_global(tmp_path):
-  per_device = train.train_and_evaluate(digits_config(steps=2, eval_every=1,
-                                                      perturbation="per_device"),
-                                        str(tmp_path / "per_device"))
-  global_ = train.train_and_evaluate(digits_config(steps=2, eval_every=1), str(tmp_path / "global"))
-  assert per_device[0]["loss"] == pytest.approx(global_[0]["loss"], rel=1e-5)  # same clean pass
-  gap = max(float(np.max(np.abs(a - b))) for a, b in
-            zip(jax.tree.leaves(restore_params(tmp_path / "per_device")),
-                jax.tree.leaves(restore_params(tmp_path / "global"))))
-  assert gap > 0
+    per_device = train.train_and_evaluate(
+        digits_config(steps=2, eval_every=1, perturbation="per_device"),
+        str(tmp_path / "per_device"),
+    )
+    global_ = train.train_and_evaluate(
+        digits_config(steps=2, eval_every=1), str(tmp_path / "global")
+    )
+    assert per_device[0]["loss"] == pytest.approx(global_[0]["loss"], rel=1e-5)  # same clean pass
+    gap = max(
+        float(np.max(np.abs(a - b)))
+        for a, b in zip(
+            jax.tree.leaves(restore_params(tmp_path / "per_device")),
+            jax.tree.leaves(restore_params(tmp_path / "global")),
+        )
+    )
+    assert gap > 0
 
 
 def _main_command(workdir, *overrides):
-  return [sys.executable, "-m", "sagm_jax.main", f"--config={REPO}/configs/rotated_digits.py",
-          f"--workdir={workdir}", "--config.steps=25", "--config.eval_every=3",
-          "--config.batch_per_env=4", "--config.eval_batch_size=64", *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "sagm_jax.main",
+        f"--config={REPO}/configs/rotated_digits.py",
+        f"--workdir={workdir}",
+        "--config.steps=25",
+        "--config.eval_every=3",
+        "--config.batch_per_env=4",
+        "--config.eval_batch_size=64",
+        *overrides,
+    ]
 
 
 def _run_env():
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = ""  # one CPU device, as a user's laptop
-  return env
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = ""  # one CPU device, as a user's laptop
+    return env
 
 
 def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path):
-  subprocess.run(_main_command(tmp_path / "whole"), check=True, env=_run_env(), cwd=REPO,
-                 capture_output=True)
-  killed = tmp_path / "killed"
-  process = subprocess.Popen(_main_command(killed), env=_run_env(), cwd=REPO,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  deadline = time.time() + 300
-  while len(train.read_records(str(killed))) < 3 and time.time() < deadline:
-    time.sleep(0.05)
-  process.send_signal(signal.SIGKILL)
-  process.wait()
-  records_at_kill = len(train.read_records(str(killed)))
-  assert not os.path.exists(killed / "done") and 3 <= records_at_kill < 9
-  resumed = subprocess.run(_main_command(killed), check=True, env=_run_env(), cwd=REPO,
-                           capture_output=True, text=True)
-  assert "resumed at step" in resumed.stdout
-  with open(tmp_path / "whole" / "results.jsonl") as a, open(killed / "results.jsonl") as b:
-    whole, again = a.read(), b.read()
-  assert whole.replace(str(tmp_path / "whole"), "W") == again.replace(str(killed), "W")
-  for a, b in zip(jax.tree.leaves(restore_params(tmp_path / "whole")),
-                  jax.tree.leaves(restore_params(killed))):
-    np.testing.assert_array_equal(a, b)
+    subprocess.run(
+        _main_command(tmp_path / "whole"), check=True, env=_run_env(), cwd=REPO, capture_output=True
+    )
+    killed = tmp_path / "killed"
+    process = subprocess.Popen(
+        _main_command(killed),
+        env=_run_env(),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 300
+    while len(train.read_records(str(killed))) < 3 and time.time() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    records_at_kill = len(train.read_records(str(killed)))
+    assert not os.path.exists(killed / "done") and 3 <= records_at_kill < 9
+    resumed = subprocess.run(
+        _main_command(killed), check=True, env=_run_env(), cwd=REPO, capture_output=True, text=True
+    )
+    assert "resumed at step" in resumed.stdout
+    with open(tmp_path / "whole" / "results.jsonl") as a, open(killed / "results.jsonl") as b:
+        whole, again = a.read(), b.read()
+    assert whole.replace(str(tmp_path / "whole"), "W") == again.replace(str(killed), "W")
+    for a, b in zip(
+        jax.tree.leaves(restore_params(tmp_path / "whole")), jax.tree.leaves(restore_params(killed))
+    ):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(tmp_path):
-  config = digits_config(lr=1e30, steps=40, eval_every=1)
-  with pytest.raises(FloatingPointError, match="Non-finite.*last good checkpoint"):
-    train.train_and_evaluate(config, str(tmp_path))
-  params = restore_params(tmp_path)
-  assert all(np.all(np.isfinite(np.asarray(p))) for p in jax.tree.leaves(params))
-  assert not os.path.exists(tmp_path / "done")
+    config = digits_config(lr=1e30, steps=40, eval_every=1)
+    with pytest.raises(FloatingPointError, match="Non-finite.*last good checkpoint"):
+        train.train_and_evaluate(config, str(tmp_path))
+    params = restore_params(tmp_path)
+    assert all(np.all(np.isfinite(np.asarray(p))) for p in jax.tree.leaves(params))
+    assert not os.path.exists(tmp_path / "done")
 
 
 def test_a_workdir_with_another_config_is_refused(tmp_path):
-  train.train_and_evaluate(digits_config(steps=1), str(tmp_path))
-  os.remove(tmp_path / "done")
-  with pytest.raises(ValueError, match=r"different config \(keys \['lr'\]"):
-    train.train_and_evaluate(digits_config(steps=1, lr=0.5), str(tmp_path))
+    train.train_and_evaluate(digits_config(steps=1), str(tmp_path))
+    os.remove(tmp_path / "done")
+    with pytest.raises(ValueError, match=r"different config \(keys \['lr'\]"):
+        train.train_and_evaluate(digits_config(steps=1, lr=0.5), str(tmp_path))
 
 
 def test_batch_that_does_not_divide_among_devices_is_named(tmp_path):
-  with pytest.raises(ValueError, match="config.batch_per_env.*= 15 does not divide among 8"):
-    train.train_and_evaluate(digits_config(batch_per_env=3), str(tmp_path))
+    with pytest.raises(ValueError, match="config.batch_per_env.*= 15 does not divide among 8"):
+        train.train_and_evaluate(digits_config(batch_per_env=3), str(tmp_path))
 
 
 def test_test_envs_out_of_range_is_named(tmp_path):
-  with pytest.raises(ValueError, match=r"config.test_envs=\(7,\).*0..5"):
-    train.train_and_evaluate(digits_config(test_envs=(7,)), str(tmp_path))
+    with pytest.raises(ValueError, match=r"config.test_envs=\(7,\).*0..5"):
+        train.train_and_evaluate(digits_config(test_envs=(7,)), str(tmp_path))
 
 
 def test_two_processes_give_the_two_device_run(tmp_path):
-  """Multi-host through jax.distributed: two local CPU processes (gloo collectives),
-  one device each, against one process with two devices."""
-  overrides = ["--config.steps=3", "--config.eval_every=1", "--config.cnn_widths=16,32,32,32"]
-  env = _run_env()
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-  subprocess.run(_main_command(tmp_path / "single", *overrides), check=True, env=env, cwd=REPO,
-                 capture_output=True)
-  port = 20000 + os.getpid() % 20000
-  workers = [subprocess.Popen(
-      _main_command(tmp_path / "multi", *overrides, "--distributed",
-                    f"--coordinator_address=localhost:{port}", "--num_processes=2",
-                    f"--process_id={i}"),
-      env=_run_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-      for i in range(2)]
-  outputs = [w.communicate(timeout=600)[0] for w in workers]
-  assert all(w.returncode == 0 for w in workers), outputs
-  single = train.read_records(str(tmp_path / "single"))
-  multi = train.read_records(str(tmp_path / "multi"))
-  assert [r["step"] for r in multi] == [0, 1, 2]
-  for a, b in zip(single, multi):
-    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-    for key in a:
-      if key.endswith("_acc"):
-        assert a[key] == pytest.approx(b[key], abs=1.0 / 60), key
+    """Multi-host through jax.distributed: two local CPU processes (gloo collectives),
+    one device each, against one process with two devices."""
+    overrides = ["--config.steps=3", "--config.eval_every=1", "--config.cnn_widths=16,32,32,32"]
+    env = _run_env()
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    subprocess.run(
+        _main_command(tmp_path / "single", *overrides),
+        check=True,
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+    )
+    port = 20000 + os.getpid() % 20000
+    workers = [
+        subprocess.Popen(
+            _main_command(
+                tmp_path / "multi",
+                *overrides,
+                "--distributed",
+                f"--coordinator_address=localhost:{port}",
+                "--num_processes=2",
+                f"--process_id={i}",
+            ),
+            env=_run_env(),
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = [w.communicate(timeout=600)[0] for w in workers]
+    assert all(w.returncode == 0 for w in workers), outputs
+    single = train.read_records(str(tmp_path / "single"))
+    multi = train.read_records(str(tmp_path / "multi"))
+    assert [r["step"] for r in multi] == [0, 1, 2]
+    for a, b in zip(single, multi):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        for key in a:
+            if key.endswith("_acc"):
+                assert a[key] == pytest.approx(b[key], abs=1.0 / 60), key

@@ -13,113 +13,130 @@ from sagm_jax.train_step import create_train_state, cross_entropy, make_train_st
 
 
 class ToyModel(nn.Module):
-  """Dense classifier; ``mixstyle=True`` shifts the logits so a test can see which pass used it."""
-  dropout_rate: float = 0.0
+    """Dense classifier; ``mixstyle=True`` shifts the logits so a test can see which pass used it."""
 
-  @nn.compact
-  def __call__(self, x, train: bool, mixstyle: bool = False):
-    x = x.reshape((x.shape[0], -1))
-    x = nn.Dropout(self.dropout_rate, deterministic=not train)(x)
-    logits = nn.Dense(3)(x)
-    if mixstyle:
-      logits = logits + jnp.array([5.0, 0.0, 0.0])
-    return logits
+    dropout_rate: float = 0.0
+
+    @nn.compact
+    def __call__(self, x, train: bool, mixstyle: bool = False):
+        x = x.reshape((x.shape[0], -1))
+        x = nn.Dropout(self.dropout_rate, deterministic=not train)(x)
+        logits = nn.Dense(3)(x)
+        if mixstyle:
+            logits = logits + jnp.array([5.0, 0.0, 0.0])
+        return logits
 
 
 def make_batch(n=16, seed=0):
-  rng = np.random.default_rng(seed)
-  return {"image": rng.normal(size=(n, 2, 2, 1)).astype(np.float32),
-          "label": rng.integers(0, 3, n).astype(np.int32)}
+    rng = np.random.default_rng(seed)
+    return {
+        "image": rng.normal(size=(n, 2, 2, 1)).astype(np.float32),
+        "label": rng.integers(0, 3, n).astype(np.int32),
+    }
 
 
 def clean_loss(model, params, batch, mixstyle):
-  logits = model.apply({"params": params}, batch["image"], train=False, mixstyle=mixstyle)
-  return float(cross_entropy(logits, batch["label"]))
+    logits = model.apply({"params": params}, batch["image"], train=False, mixstyle=mixstyle)
+    return float(cross_entropy(logits, batch["label"]))
 
 
-@pytest.mark.parametrize("algorithm,clean_pass_mixstyle", [("sagm", False), ("sam", True),
-                                                           ("erm", True), ("gsam", True)])
+@pytest.mark.parametrize(
+    "algorithm,clean_pass_mixstyle", [("sagm", False), ("sam", True), ("erm", True), ("gsam", True)]
+)
 def test_mixstyle_policy_of_the_clean_pass(algorithm, clean_pass_mixstyle):
-  model, batch = ToyModel(), make_batch()
-  variables = model.init(jax.random.key(0), batch["image"], train=False)
-  opt = sagm_jax.paper_optimizer(algorithm, learning_rate=1e-2, weight_decay=0.0)
-  state = create_train_state(variables, opt)
-  step = jax.jit(make_train_step(model, opt, algorithm=algorithm, use_mixstyle=True))
-  _, metrics = step(state, batch, jax.random.key(1))
-  expected = clean_loss(model, variables["params"], batch, clean_pass_mixstyle)
-  other = clean_loss(model, variables["params"], batch, not clean_pass_mixstyle)
-  assert float(metrics["loss"]) == pytest.approx(expected, rel=1e-5)
-  assert abs(expected - other) > 0.1
+    model, batch = ToyModel(), make_batch()
+    variables = model.init(jax.random.key(0), batch["image"], train=False)
+    opt = sagm_jax.paper_optimizer(algorithm, learning_rate=1e-2, weight_decay=0.0)
+    state = create_train_state(variables, opt)
+    step = jax.jit(make_train_step(model, opt, algorithm=algorithm, use_mixstyle=True))
+    _, metrics = step(state, batch, jax.random.key(1))
+    expected = clean_loss(model, variables["params"], batch, clean_pass_mixstyle)
+    other = clean_loss(model, variables["params"], batch, not clean_pass_mixstyle)
+    assert float(metrics["loss"]) == pytest.approx(expected, rel=1e-5)
+    assert abs(expected - other) > 0.1
 
 
 def test_sagm_perturbed_pass_uses_mixstyle():
-  """With MixStyle on, SAGM's step differs from the step without it only through g_p."""
-  model, batch = ToyModel(), make_batch()
-  variables = model.init(jax.random.key(0), batch["image"], train=False)
-  opt = sagm_jax.paper_optimizer("sagm", learning_rate=1e-2, weight_decay=0.0)
-  state = create_train_state(variables, opt)
-  key = jax.random.key(1)
-  with_ms, _ = jax.jit(make_train_step(model, opt, algorithm="sagm", use_mixstyle=True))(state, batch, key)
-  without, _ = jax.jit(make_train_step(model, opt, algorithm="sagm"))(state, batch, key)
-  # Independent: the same update from hand-made g (no MixStyle) and g_p (MixStyle).
-  loss = lambda p, ms: cross_entropy(model.apply({"params": p}, batch["image"], train=True,
-                                                 mixstyle=ms), batch["label"])
-  g = jax.grad(loss)(variables["params"], False)
-  hand_made = opt.update(g, opt.init(variables["params"]), variables["params"],
-                         grad_fn=lambda p, i: jax.grad(loss)(p, True))[0]
-  expected = optax.apply_updates(variables["params"], hand_made)
-  for a, b in zip(jax.tree.leaves(with_ms.params), jax.tree.leaves(expected)):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-  gap = max(float(jnp.max(jnp.abs(a - b))) for a, b in
-            zip(jax.tree.leaves(with_ms.params), jax.tree.leaves(without.params)))
-  assert gap > 1e-5
+    """With MixStyle on, SAGM's step differs from the step without it only through g_p."""
+    model, batch = ToyModel(), make_batch()
+    variables = model.init(jax.random.key(0), batch["image"], train=False)
+    opt = sagm_jax.paper_optimizer("sagm", learning_rate=1e-2, weight_decay=0.0)
+    state = create_train_state(variables, opt)
+    key = jax.random.key(1)
+    with_ms, _ = jax.jit(make_train_step(model, opt, algorithm="sagm", use_mixstyle=True))(
+        state, batch, key
+    )
+    without, _ = jax.jit(make_train_step(model, opt, algorithm="sagm"))(state, batch, key)
+    # Independent: the same update from hand-made g (no MixStyle) and g_p (MixStyle).
+    loss = lambda p, ms: cross_entropy(
+        model.apply({"params": p}, batch["image"], train=True, mixstyle=ms), batch["label"]
+    )
+    g = jax.grad(loss)(variables["params"], False)
+    hand_made = opt.update(
+        g,
+        opt.init(variables["params"]),
+        variables["params"],
+        grad_fn=lambda p, i: jax.grad(loss)(p, True),
+    )[0]
+    expected = optax.apply_updates(variables["params"], hand_made)
+    for a, b in zip(jax.tree.leaves(with_ms.params), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    gap = max(
+        float(jnp.max(jnp.abs(a - b)))
+        for a, b in zip(jax.tree.leaves(with_ms.params), jax.tree.leaves(without.params))
+    )
+    assert gap > 1e-5
 
 
 def test_dropout_masks_independent_by_default_and_shared_on_request():
-  model, batch = ToyModel(dropout_rate=0.5), make_batch()
-  variables = model.init(jax.random.key(0), batch["image"], train=False)
-  opt = sagm_jax.paper_optimizer("sam", learning_rate=1e-2, weight_decay=0.0, rho=1e-6)
-  state = create_train_state(variables, opt)
-  key = jax.random.key(3)
-  independent, _ = make_train_step(model, opt, algorithm="sam")(state, batch, key)
-  shared, _ = make_train_step(model, opt, algorithm="sam", shared_dropout=True)(state, batch, key)
-  erm = sagm_jax.paper_optimizer("erm", learning_rate=1e-2, weight_decay=0.0)
-  erm_state, _ = make_train_step(model, erm, algorithm="erm")(create_train_state(variables, erm),
-                                                               batch, key)
-  # With a tiny rho and a shared mask, SAM's g_p is ERM's g: the steps coincide.
-  for a, b in zip(jax.tree.leaves(shared.params), jax.tree.leaves(erm_state.params)):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-  gap = max(float(jnp.max(jnp.abs(a - b))) for a, b in
-            zip(jax.tree.leaves(independent.params), jax.tree.leaves(erm_state.params)))
-  assert gap > 1e-4
+    model, batch = ToyModel(dropout_rate=0.5), make_batch()
+    variables = model.init(jax.random.key(0), batch["image"], train=False)
+    opt = sagm_jax.paper_optimizer("sam", learning_rate=1e-2, weight_decay=0.0, rho=1e-6)
+    state = create_train_state(variables, opt)
+    key = jax.random.key(3)
+    independent, _ = make_train_step(model, opt, algorithm="sam")(state, batch, key)
+    shared, _ = make_train_step(model, opt, algorithm="sam", shared_dropout=True)(state, batch, key)
+    erm = sagm_jax.paper_optimizer("erm", learning_rate=1e-2, weight_decay=0.0)
+    erm_state, _ = make_train_step(model, erm, algorithm="erm")(
+        create_train_state(variables, erm), batch, key
+    )
+    # With a tiny rho and a shared mask, SAM's g_p is ERM's g: the steps coincide.
+    for a, b in zip(jax.tree.leaves(shared.params), jax.tree.leaves(erm_state.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    gap = max(
+        float(jnp.max(jnp.abs(a - b)))
+        for a, b in zip(jax.tree.leaves(independent.params), jax.tree.leaves(erm_state.params))
+    )
+    assert gap > 1e-4
 
 
 def test_sharded_step_on_eight_devices_equals_one_device():
-  model, batch = ToyModel(), make_batch(n=32)
-  variables = model.init(jax.random.key(0), batch["image"], train=False)
-  opt = sagm_jax.paper_optimizer("sagm", learning_rate=1e-2, weight_decay=1e-4, alpha=0.01)
-  step = jax.jit(make_train_step(model, opt, algorithm="sagm"))
+    model, batch = ToyModel(), make_batch(n=32)
+    variables = model.init(jax.random.key(0), batch["image"], train=False)
+    opt = sagm_jax.paper_optimizer("sagm", learning_rate=1e-2, weight_decay=1e-4, alpha=0.01)
+    step = jax.jit(make_train_step(model, opt, algorithm="sagm"))
 
-  def run(devices):
-    mesh = Mesh(np.array(devices), ("batch",))
-    state = jax.device_put(create_train_state(variables, opt), NamedSharding(mesh, P()))
-    sharded = jax.device_put(batch, NamedSharding(mesh, P("batch")))
-    for _ in range(3):
-      state, _ = step(state, sharded, jax.random.key(0))
-    return state.params
+    def run(devices):
+        mesh = Mesh(np.array(devices), ("batch",))
+        state = jax.device_put(create_train_state(variables, opt), NamedSharding(mesh, P()))
+        sharded = jax.device_put(batch, NamedSharding(mesh, P("batch")))
+        for _ in range(3):
+            state, _ = step(state, sharded, jax.random.key(0))
+        return state.params
 
-  one, eight = run(jax.devices()[:1]), run(jax.devices())
-  for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(eight)):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    one, eight = run(jax.devices()[:1]), run(jax.devices())
+    for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(eight)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_bfloat16_compute_keeps_float32_parameters():
-  model, batch = ToyModel(), make_batch()
-  variables = model.init(jax.random.key(0), batch["image"], train=False)
-  opt = sagm_jax.paper_optimizer("sagm", learning_rate=1e-2, weight_decay=0.0)
-  state = create_train_state(variables, opt)
-  f32, m32 = make_train_step(model, opt, algorithm="sagm")(state, batch, jax.random.key(0))
-  bf16, m16 = make_train_step(model, opt, algorithm="sagm", compute_dtype=jnp.bfloat16)(
-      state, batch, jax.random.key(0))
-  assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(bf16.params))
-  assert float(m16["loss"]) == pytest.approx(float(m32["loss"]), rel=2e-2)
+    model, batch = ToyModel(), make_batch()
+    variables = model.init(jax.random.key(0), batch["image"], train=False)
+    opt = sagm_jax.paper_optimizer("sagm", learning_rate=1e-2, weight_decay=0.0)
+    state = create_train_state(variables, opt)
+    f32, m32 = make_train_step(model, opt, algorithm="sagm")(state, batch, jax.random.key(0))
+    bf16, m16 = make_train_step(model, opt, algorithm="sagm", compute_dtype=jnp.bfloat16)(
+        state, batch, jax.random.key(0)
+    )
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(bf16.params))
+    assert float(m16["loss"]) == pytest.approx(float(m32["loss"]), rel=2e-2)

@@ -9,16 +9,35 @@ augmentations (``augment.py``, TensorFlow) and the batches (``pipeline.py``,
 TensorFlow is imported only when an image-folder pipeline or an augmentation is
 built, so importing this package does not start TensorFlow.
 """
+
 from sagm_jax.data.image_folder import BadImageError, DatasetLayoutError, DatasetNotFoundError
-from sagm_jax.data.pipeline import (DomainBedData, eval_layout, sample_train_indices,
-                                    to_global_batch)
+from sagm_jax.data.pipeline import DomainBedData, eval_layout, sample_train_indices, to_global_batch
 from sagm_jax.data.registry import DATASETS, DatasetSpec, get_spec, load
-from sagm_jax.data.splits import (IMAGE_EXTENSIONS, domainbed_splits, holdout_split,
-                                  in_domain_split, seed_hash, write_split_record)
+from sagm_jax.data.splits import (
+    IMAGE_EXTENSIONS,
+    domainbed_splits,
+    holdout_split,
+    in_domain_split,
+    seed_hash,
+    write_split_record,
+)
 
 __all__ = [
-    "BadImageError", "DATASETS", "DatasetLayoutError", "DatasetNotFoundError", "DatasetSpec",
-    "DomainBedData", "IMAGE_EXTENSIONS", "domainbed_splits", "eval_layout", "get_spec",
-    "holdout_split", "in_domain_split", "load", "sample_train_indices", "seed_hash",
-    "to_global_batch", "write_split_record",
+    "BadImageError",
+    "DATASETS",
+    "DatasetLayoutError",
+    "DatasetNotFoundError",
+    "DatasetSpec",
+    "DomainBedData",
+    "IMAGE_EXTENSIONS",
+    "domainbed_splits",
+    "eval_layout",
+    "get_spec",
+    "holdout_split",
+    "in_domain_split",
+    "load",
+    "sample_train_indices",
+    "seed_hash",
+    "to_global_batch",
+    "write_split_record",
 ]

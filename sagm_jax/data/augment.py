@@ -29,6 +29,7 @@ Randomness is stateless: every draw takes a seed tensor of shape [2] (split with
 ``tf.random.experimental.stateless_split``), so an image's augmentation is a
 function of its seed alone.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,18 +50,26 @@ def _uniform_int(seed, maxval):
     return tf.random.stateless_uniform([], seed, minval=0, maxval=maxval, dtype=tf.int32)
 
 
-def random_resized_crop_box(seed, height, width, scale=CROP_SCALE, ratio=CROP_RATIO,
-                            tries: int = 10):
+def random_resized_crop_box(
+    seed, height, width, scale=CROP_SCALE, ratio=CROP_RATIO, tries: int = 10
+):
     """torchvision's ``RandomResizedCrop.get_params``: returns int32 (top, left, h, w)."""
     height = tf.convert_to_tensor(height, tf.int32)
     width = tf.convert_to_tensor(width, tf.int32)
     area_seed, ratio_seed, top_seed, left_seed = tf.unstack(
-        tf.random.experimental.stateless_split(seed, 4))
+        tf.random.experimental.stateless_split(seed, 4)
+    )
     h_f, w_f = tf.cast(height, tf.float64), tf.cast(width, tf.float64)
-    target_area = h_f * w_f * tf.random.stateless_uniform(
-        [tries], area_seed, scale[0], scale[1], dtype=tf.float64)
-    aspect = tf.exp(tf.random.stateless_uniform(
-        [tries], ratio_seed, math.log(ratio[0]), math.log(ratio[1]), dtype=tf.float64))
+    target_area = (
+        h_f
+        * w_f
+        * tf.random.stateless_uniform([tries], area_seed, scale[0], scale[1], dtype=tf.float64)
+    )
+    aspect = tf.exp(
+        tf.random.stateless_uniform(
+            [tries], ratio_seed, math.log(ratio[0]), math.log(ratio[1]), dtype=tf.float64
+        )
+    )
     w = tf.cast(tf.round(tf.sqrt(target_area * aspect)), tf.int32)
     h = tf.cast(tf.round(tf.sqrt(target_area / aspect)), tf.int32)
     fits = (w > 0) & (w <= width) & (h > 0) & (h <= height)
@@ -92,8 +101,9 @@ def color_jitter(x, seed, strength: float = JITTER):
     """torchvision ``ColorJitter(s, s, s, s)`` on float RGB in [0, 1] (module doc)."""
     order_seed, factor_seed, hue_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 3))
     order = tf.argsort(tf.random.stateless_uniform([4], order_seed))
-    bright, contrast, sat = tf.unstack(tf.random.stateless_uniform(
-        [3], factor_seed, 1.0 - strength, 1.0 + strength))
+    bright, contrast, sat = tf.unstack(
+        tf.random.stateless_uniform([3], factor_seed, 1.0 - strength, 1.0 + strength)
+    )
     hue = tf.random.stateless_uniform([], hue_seed, -strength, strength)
     ops = [
         lambda y: _blend(y, tf.zeros_like(y), bright),
@@ -118,19 +128,22 @@ def resize(image, size: int):
     shape = tf.shape(image)
     x = tf.cast(image, tf.float32) / 255.0
     shrinks = (shape[0] > size) | (shape[1] > size)
-    x = tf.cond(shrinks,
-                lambda: tf.image.resize(x, [size, size], method="bilinear", antialias=True),
-                lambda: tf.image.resize(x, [size, size], method="bilinear"))
+    x = tf.cond(
+        shrinks,
+        lambda: tf.image.resize(x, [size, size], method="bilinear", antialias=True),
+        lambda: tf.image.resize(x, [size, size], method="bilinear"),
+    )
     return tf.clip_by_value(x, 0.0, 1.0)
 
 
 def train_transform(image, seed, size: int = 224):
     """The training augmentation (module doc) of a uint8 HxWx3 image -> float32."""
     crop_seed, flip_seed, jitter_seed, gray_seed = tf.unstack(
-        tf.random.experimental.stateless_split(seed, 4))
+        tf.random.experimental.stateless_split(seed, 4)
+    )
     shape = tf.shape(image)
     top, left, h, w = random_resized_crop_box(crop_seed, shape[0], shape[1])
-    crop = image[top:top + h, left:left + w]
+    crop = image[top : top + h, left : left + w]
     x = resize(crop, size)
     flip = tf.random.stateless_uniform([], flip_seed) < FLIP_PROB
     x = tf.where(flip, tf.reverse(x, axis=[1]), x)

@@ -25,6 +25,7 @@ Checks, done when a dataset is opened (``scan_image_folder``):
 The fingerprint of the files used: counts per domain and class, the total, and the
 SHA-256 of the sorted relative file list (posix separators, one path a line).
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -62,10 +63,10 @@ class FolderIndex:
     root: str
     env_names: list[str]
     class_names: list[str]
-    paths: list[list[str]]          # per environment, ImageFolder order
-    labels: list[np.ndarray]        # per environment, int32 class indices
-    needs_pil: list[np.ndarray]     # per environment, bool: tf cannot decode it
-    skipped: list[dict]             # [{'path': ..., 'reason': ...}] with skip_bad_files
+    paths: list[list[str]]  # per environment, ImageFolder order
+    labels: list[np.ndarray]  # per environment, int32 class indices
+    needs_pil: list[np.ndarray]  # per environment, bool: tf cannot decode it
+    skipped: list[dict]  # [{'path': ..., 'reason': ...}] with skip_bad_files
     fingerprint: dict
 
     def relative_paths(self) -> list[list[str]]:
@@ -80,6 +81,7 @@ def check_image(path: str) -> tuple[str | None, bool]:
     """Returns ``(error, needs_pil)``: why the file does not decode (None if it does),
     and whether tf.io.decode_image cannot read it."""
     from PIL import Image
+
     try:
         with Image.open(path) as image:
             image.verify()
@@ -92,8 +94,9 @@ def check_image(path: str) -> tuple[str | None, bool]:
 
 
 def default_cache_dir() -> str:
-    return os.path.join(os.environ.get("SAGM_JAX_CACHE", os.path.expanduser("~/.cache/sagm_jax")),
-                        "verified")
+    return os.path.join(
+        os.environ.get("SAGM_JAX_CACHE", os.path.expanduser("~/.cache/sagm_jax")), "verified"
+    )
 
 
 def _check_all(root: str, files: list[str], cache_dir: str | None) -> dict[str, tuple]:
@@ -120,9 +123,14 @@ def _check_all(root: str, files: list[str], cache_dir: str | None) -> dict[str, 
     return notable
 
 
-def scan_image_folder(root: str, *, missing_help: str, skip_bad_files: bool = False,
-                      verify_images: bool = True, cache_dir: str | None = "default"
-                      ) -> FolderIndex:
+def scan_image_folder(
+    root: str,
+    *,
+    missing_help: str,
+    skip_bad_files: bool = False,
+    verify_images: bool = True,
+    cache_dir: str | None = "default",
+) -> FolderIndex:
     """List, check and fingerprint ``root/<domain>/<class>/<image>`` (module doc)."""
     if cache_dir == "default":
         cache_dir = default_cache_dir()
@@ -130,7 +138,9 @@ def scan_image_folder(root: str, *, missing_help: str, skip_bad_files: bool = Fa
         raise DatasetNotFoundError(f"Dataset folder not found: {root}\n{missing_help}")
     env_names = splits_lib.list_domains(root)
     if not env_names:
-        raise DatasetNotFoundError(f"Dataset folder {root} has no domain sub-folders.\n{missing_help}")
+        raise DatasetNotFoundError(
+            f"Dataset folder {root} has no domain sub-folders.\n{missing_help}"
+        )
 
     class_names = None
     files_per_env: list[list[tuple[str, int]]] = []
@@ -140,7 +150,8 @@ def scan_image_folder(root: str, *, missing_help: str, skip_bad_files: bool = Fa
         if not classes:
             raise DatasetLayoutError(
                 f"Domain folder {domain_dir} has no class sub-folders; expected "
-                f"{root}/<domain>/<class>/<image>.")
+                f"{root}/<domain>/<class>/<image>."
+            )
         if class_names is None:
             class_names, first_domain = classes, domain
         elif classes != class_names:
@@ -150,7 +161,8 @@ def scan_image_folder(root: str, *, missing_help: str, skip_bad_files: bool = Fa
                 f"Domains have different class folders: {domain_dir} has {len(classes)} "
                 f"classes, {os.path.join(root, first_domain)} has {len(class_names)}; only in "
                 f"{domain!r}: {only_here}; only in {first_domain!r}: {only_there}. Every domain "
-                "must have the same class folders (labels are their sorted order).")
+                "must have the same class folders (labels are their sorted order)."
+            )
         env_files = []
         for label, cls in enumerate(classes):
             class_dir = os.path.join(domain_dir, cls)
@@ -158,15 +170,20 @@ def scan_image_folder(root: str, *, missing_help: str, skip_bad_files: bool = Fa
             if not found:
                 raise DatasetLayoutError(
                     f"Empty class folder {class_dir}: no files with an image extension "
-                    f"{splits_lib.IMAGE_EXTENSIONS} (case-insensitive), nested folders included.")
+                    f"{splits_lib.IMAGE_EXTENSIONS} (case-insensitive), nested folders included."
+                )
             env_files.extend((p, label) for p in found)
         files_per_env.append(env_files)
 
     notable = {}
     if verify_images:
         notable = _check_all(root, [p for env in files_per_env for p, _ in env], cache_dir)
-    bad = [(p, notable[_relative(root, p)][0]) for env in files_per_env for p, _ in env
-           if notable.get(_relative(root, p), (None,))[0]]
+    bad = [
+        (p, notable[_relative(root, p)][0])
+        for env in files_per_env
+        for p, _ in env
+        if notable.get(_relative(root, p), (None,))[0]
+    ]
     skipped = []
     if bad:
         listing = "\n".join(f"  {p}: {why}" for p, why in bad[:20])
@@ -175,11 +192,13 @@ def scan_image_folder(root: str, *, missing_help: str, skip_bad_files: bool = Fa
             raise BadImageError(
                 f"{len(bad)} file(s) under {root} have an image extension but do not decode:\n"
                 f"{listing}{more}\nRe-download or remove them, or pass skip_bad_files=True "
-                "to leave them out (the skipped files are then reported and recorded).")
+                "to leave them out (the skipped files are then reported and recorded)."
+            )
         bad_set = {p for p, _ in bad}
         skipped = [{"path": _relative(root, p), "reason": why} for p, why in bad]
-        log.warning("Skipping %d file(s) under %s that do not decode:\n%s%s",
-                    len(bad), root, listing, more)
+        log.warning(
+            "Skipping %d file(s) under %s that do not decode:\n%s%s", len(bad), root, listing, more
+        )
         files_per_env = [[(p, y) for p, y in env if p not in bad_set] for env in files_per_env]
         for domain, env in zip(env_names, files_per_env):
             present = {y for _, y in env}
@@ -187,20 +206,25 @@ def scan_image_folder(root: str, *, missing_help: str, skip_bad_files: bool = Fa
                 if label not in present:
                     raise DatasetLayoutError(
                         f"Class folder {os.path.join(root, domain, cls)} has no decodable "
-                        "image left after skipping bad files.")
+                        "image left after skipping bad files."
+                    )
 
     paths = [[p for p, _ in env] for env in files_per_env]
     labels = [np.asarray([y for _, y in env], dtype=np.int32) for env in files_per_env]
-    needs_pil = [np.asarray([notable.get(_relative(root, p), (None, False))[1] for p in env],
-                            dtype=bool) for env in paths]
+    needs_pil = [
+        np.asarray([notable.get(_relative(root, p), (None, False))[1] for p in env], dtype=bool)
+        for env in paths
+    ]
     fingerprint = make_fingerprint(root, env_names, class_names, paths, labels)
     fingerprint["skipped"] = skipped
     return FolderIndex(root, env_names, class_names, paths, labels, needs_pil, skipped, fingerprint)
 
 
 def make_fingerprint(root, env_names, class_names, paths, labels) -> dict:
-    counts = {domain: {cls: int(np.sum(env_labels == k)) for k, cls in enumerate(class_names)}
-              for domain, env_labels in zip(env_names, labels)}
+    counts = {
+        domain: {cls: int(np.sum(env_labels == k)) for k, cls in enumerate(class_names)}
+        for domain, env_labels in zip(env_names, labels)
+    }
     relative = sorted(_relative(root, p) for env in paths for p in env)
     return {
         "counts": counts,

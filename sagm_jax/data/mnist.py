@@ -25,6 +25,7 @@ permutation). Images are float32 in [0, 1], HxWxC.
 MNIST comes from ``tfds.load('mnist')`` (downloaded to ``data_dir`` where there is
 internet; tests use ``tfds.testing.mock_data``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,6 +41,7 @@ LABEL_FLIP_PROB = 0.25
 @dataclasses.dataclass
 class ArraySource:
     """Per-environment images (float32 [N, H, W, C] in [0, 1]) and int32 labels."""
+
     env_names: list[str]
     images: list[np.ndarray]
     labels: list[np.ndarray]
@@ -49,17 +51,18 @@ class ArraySource:
 def load_mnist_uint8(data_dir: str | None) -> tuple[np.ndarray, np.ndarray]:
     """MNIST train then test: uint8 [70000, 28, 28] and int64 labels (via tfds)."""
     import tensorflow_datasets as tfds
+
     try:
-        splits = tfds.load("mnist", split=["train", "test"], data_dir=data_dir,
-                           as_supervised=True)
+        splits = tfds.load("mnist", split=["train", "test"], data_dir=data_dir, as_supervised=True)
     except Exception as e:
         raise FileNotFoundError(
             f"Could not load MNIST through tensorflow-datasets (data_dir={data_dir!r}): {e}\n"
             "tfds downloads MNIST on first use where there is internet; offline, prepare it "
             "elsewhere with `tfds build mnist --data_dir=DIR` and copy DIR here. "
-            "Use the dataset 'RotatedDigits' for an offline demo.") from e
+            "Use the dataset 'RotatedDigits' for an offline demo."
+        ) from e
     images, labels = [], []
-    for split in splits:   # train, then test, as DomainBed concatenates them
+    for split in splits:  # train, then test, as DomainBed concatenates them
         for x, y in split.batch(10_000).as_numpy_iterator():
             images.append(x[..., 0])
             labels.append(y)
@@ -76,15 +79,22 @@ def shuffle_into_envs(images, labels, n_envs: int, data_seed: int):
 def rotate_uint8(images: np.ndarray, angle: float) -> np.ndarray:
     """Rotate each uint8 HxW image by ``angle`` degrees (counter-clockwise), fill 0."""
     from PIL import Image
+
     if angle == 0:
         return images.copy()
-    return np.stack([np.asarray(Image.fromarray(im).rotate(angle, Image.BILINEAR, fillcolor=0))
-                     for im in images])
+    return np.stack(
+        [
+            np.asarray(Image.fromarray(im).rotate(angle, Image.BILINEAR, fillcolor=0))
+            for im in images
+        ]
+    )
 
 
 def rotated(pairs, angles) -> ArraySource:
-    images = [rotate_uint8(im, a).astype(np.float32)[..., None] / 255.0
-              for (im, _), a in zip(pairs, angles)]
+    images = [
+        rotate_uint8(im, a).astype(np.float32)[..., None] / 255.0
+        for (im, _), a in zip(pairs, angles)
+    ]
     labels = [y.astype(np.int32) for _, y in pairs]
     return ArraySource([str(a) for a in angles], images, labels, 10)
 
@@ -94,8 +104,9 @@ def rotated_mnist(data_dir: str | None, data_seed: int = 0) -> ArraySource:
     return rotated(shuffle_into_envs(images, labels, len(ROTATIONS), data_seed), ROTATIONS)
 
 
-def color_environment(images: np.ndarray, digits: np.ndarray, flip_prob: float,
-                      rng: np.random.RandomState):
+def color_environment(
+    images: np.ndarray, digits: np.ndarray, flip_prob: float, rng: np.random.RandomState
+):
     """DomainBed's ``color_dataset`` for one environment: (float32 [N,28,28,2], labels)."""
     labels = (digits < 5).astype(np.int32)
     labels ^= (rng.rand(len(labels)) < LABEL_FLIP_PROB).astype(np.int32)
@@ -117,9 +128,11 @@ def rotated_digits(data_dir: str | None = None, data_seed: int = 0) -> ArraySour
     """RotatedDigits (module doc); ``data_dir`` is unused (the data ship with scikit-learn)."""
     from PIL import Image
     from sklearn.datasets import load_digits
+
     digits = load_digits()
     small = np.round(digits.images * (255.0 / 16.0)).astype(np.uint8)
-    images = np.stack([np.asarray(Image.fromarray(im).resize((28, 28), Image.BILINEAR))
-                       for im in small])
+    images = np.stack(
+        [np.asarray(Image.fromarray(im).resize((28, 28), Image.BILINEAR)) for im in small]
+    )
     pairs = shuffle_into_envs(images, digits.target.astype(np.int64), len(ROTATIONS), data_seed)
     return rotated(pairs, ROTATIONS)

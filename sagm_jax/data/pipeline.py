@@ -23,6 +23,7 @@ number of batches.
 Image folders go through tf.data (``tf_input.py``); the in-memory datasets are
 indexed in NumPy and are not augmented.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,8 +46,10 @@ def sample_train_indices(seed: int, step: int, in_splits, batch_per_env: int) ->
 
 def host_rows(global_size: int, process_index: int, process_count: int) -> tuple[int, int]:
     if global_size % process_count:
-        raise ValueError(f"Global batch {global_size} does not divide among {process_count} "
-                         "processes; choose a batch size that does.")
+        raise ValueError(
+            f"Global batch {global_size} does not divide among {process_count} "
+            "processes; choose a batch size that does."
+        )
     local = global_size // process_count
     return process_index * local, (process_index + 1) * local
 
@@ -64,6 +67,7 @@ def eval_layout(n: int, batch_size: int, process_index: int = 0, process_count: 
 def _processes(process_index, process_count):
     if process_index is None or process_count is None:
         import jax
+
         return jax.process_index(), jax.process_count()
     return process_index, process_count
 
@@ -72,9 +76,11 @@ def to_global_batch(batch: dict, mesh, axis: str = "batch") -> dict:
     """Place each host's part of a batch on ``mesh``, sharded along ``axis`` (dim 0)."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
+
     sharding = NamedSharding(mesh, PartitionSpec(axis))
-    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
-            for k, v in batch.items()}
+    return {
+        k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()
+    }
 
 
 @dataclasses.dataclass
@@ -84,6 +90,7 @@ class DomainBedData:
     ``splits[e]`` maps each part ('in', 'out', and 'test' for the in-domain split) to
     int64 indices into environment ``e``'s examples (ImageFolder order for folders).
     """
+
     name: str
     env_names: list[str]
     class_names: list[str]
@@ -95,24 +102,36 @@ class DomainBedData:
     trial_seed: int
     holdout_fraction: float
     split_kind: str
-    folder: object = None           # image_folder.FolderIndex for folder datasets
-    arrays: object = None           # mnist.ArraySource for in-memory datasets
+    folder: object = None  # image_folder.FolderIndex for folder datasets
+    arrays: object = None  # mnist.ArraySource for in-memory datasets
 
     # ---- construction -------------------------------------------------------------
     @staticmethod
     def _split(sizes, trial_seed, holdout_fraction, split):
         if split == "in_domain":
             return [splits_lib.in_domain_split(n, trial_seed, i) for i, n in enumerate(sizes)]
-        return [splits_lib.holdout_split(n, trial_seed, i, holdout_fraction)
-                for i, n in enumerate(sizes)]
+        return [
+            splits_lib.holdout_split(n, trial_seed, i, holdout_fraction)
+            for i, n in enumerate(sizes)
+        ]
 
     @classmethod
     def from_folder(cls, name, index, *, trial_seed, holdout_fraction, split, image_size):
         sizes = [len(p) for p in index.paths]
-        return cls(name, list(index.env_names), list(index.class_names), len(index.class_names),
-                   (image_size, image_size, 3), cls._split(sizes, trial_seed, holdout_fraction, split),
-                   index.fingerprint, index.skipped, trial_seed, holdout_fraction, split,
-                   folder=index)
+        return cls(
+            name,
+            list(index.env_names),
+            list(index.class_names),
+            len(index.class_names),
+            (image_size, image_size, 3),
+            cls._split(sizes, trial_seed, holdout_fraction, split),
+            index.fingerprint,
+            index.skipped,
+            trial_seed,
+            holdout_fraction,
+            split,
+            folder=index,
+        )
 
     @classmethod
     def from_arrays(cls, name, source, *, trial_seed, holdout_fraction, split):
@@ -121,15 +140,30 @@ class DomainBedData:
         for x, y in zip(source.images, source.labels):
             digest.update(np.ascontiguousarray(x).tobytes())
             digest.update(np.ascontiguousarray(y).tobytes())
-        counts = {env: {str(k): int(np.sum(y == k)) for k in range(source.num_classes)}
-                  for env, y in zip(source.env_names, source.labels)}
-        fingerprint = {"counts": counts,
-                       "domain_totals": {e: int(sum(c.values())) for e, c in counts.items()},
-                       "total": int(sum(sizes)), "arrays_sha256": digest.hexdigest()}
-        return cls(name, list(source.env_names), [str(k) for k in range(source.num_classes)],
-                   source.num_classes, tuple(source.images[0].shape[1:]),
-                   cls._split(sizes, trial_seed, holdout_fraction, split), fingerprint, [],
-                   trial_seed, holdout_fraction, split, arrays=source)
+        counts = {
+            env: {str(k): int(np.sum(y == k)) for k in range(source.num_classes)}
+            for env, y in zip(source.env_names, source.labels)
+        }
+        fingerprint = {
+            "counts": counts,
+            "domain_totals": {e: int(sum(c.values())) for e, c in counts.items()},
+            "total": int(sum(sizes)),
+            "arrays_sha256": digest.hexdigest(),
+        }
+        return cls(
+            name,
+            list(source.env_names),
+            [str(k) for k in range(source.num_classes)],
+            source.num_classes,
+            tuple(source.images[0].shape[1:]),
+            cls._split(sizes, trial_seed, holdout_fraction, split),
+            fingerprint,
+            [],
+            trial_seed,
+            holdout_fraction,
+            split,
+            arrays=source,
+        )
 
     # ---- facts --------------------------------------------------------------------
     @property
@@ -139,13 +173,22 @@ class DomainBedData:
 
     def _check_env(self, env):
         if not isinstance(env, (int, np.integer)) or not 0 <= env < len(self.env_names):
-            raise ValueError(f"Environment index {env!r} out of range for {self.name} "
-                             f"(0..{len(self.env_names) - 1}: {self.env_names})")
+            raise ValueError(
+                f"Environment index {env!r} out of range for {self.name} "
+                f"(0..{len(self.env_names) - 1}: {self.env_names})"
+            )
 
     # ---- batches ------------------------------------------------------------------
-    def train_iterator(self, train_envs, *, seed: int, batch_per_env: int = 32,
-                       start_step: int = 0, process_index: int | None = None,
-                       process_count: int | None = None) -> Iterator[dict]:
+    def train_iterator(
+        self,
+        train_envs,
+        *,
+        seed: int,
+        batch_per_env: int = 32,
+        start_step: int = 0,
+        process_index: int | None = None,
+        process_count: int | None = None,
+    ) -> Iterator[dict]:
         """Infinite iterator of this host's part of each step's training batch, from
         ``start_step`` on: ``{'image': float32 [b,H,W,C], 'label': int32 [b]}`` with
         ``b = batch_per_env * len(train_envs) / process_count`` (module doc)."""
@@ -161,12 +204,22 @@ class DomainBedData:
         in_splits = [self.splits[e]["in"] for e in train_envs]
         if self.folder is not None:
             from sagm_jax.data import tf_input
+
             offsets = np.cumsum([0] + self.env_sizes)
+
             def sampler(step):
                 picks = sample_train_indices(seed, step, in_splits, batch_per_env)
                 return np.concatenate([offsets[e] + k for e, k in zip(train_envs, picks)])[lo:hi]
-            ds = tf_input.train_dataset(self.folder, sampler, seed=seed, start_step=start_step,
-                                        first_row=lo, rows=hi - lo, image_size=self.input_shape[0])
+
+            ds = tf_input.train_dataset(
+                self.folder,
+                sampler,
+                seed=seed,
+                start_step=start_step,
+                first_row=lo,
+                rows=hi - lo,
+                image_size=self.input_shape[0],
+            )
             return ds.as_numpy_iterator()
         return self._array_train(train_envs, in_splits, seed, batch_per_env, start_step, lo, hi)
 
@@ -179,9 +232,17 @@ class DomainBedData:
             yield {"image": images[lo:hi], "label": labels[lo:hi].astype(np.int32)}
             step += 1
 
-    def eval_iterator(self, env: int, part: str = "in", *, batch_size: int = 128,
-                      augment: bool = False, seed: int = 0, process_index: int | None = None,
-                      process_count: int | None = None) -> Iterator[dict]:
+    def eval_iterator(
+        self,
+        env: int,
+        part: str = "in",
+        *,
+        batch_size: int = 128,
+        augment: bool = False,
+        seed: int = 0,
+        process_index: int | None = None,
+        process_count: int | None = None,
+    ) -> Iterator[dict]:
         """Finite iterator over split ``part`` of environment ``env``:
         ``{'image', 'label', 'mask'}``, every example once, padding masked out.
         ``augment=True`` applies the training augmentation (DomainBed's old default for
@@ -194,25 +255,42 @@ class DomainBedData:
         position, mask = eval_layout(len(indices), batch_size, p, n_proc)
         if self.folder is not None:
             from sagm_jax.data import tf_input
+
             offset = int(np.sum(self.env_sizes[:env]))
             ids = offset + indices[position] if len(indices) else position
-            ds = tf_input.eval_dataset(self.folder, ids, mask, position, augment=augment,
-                                       seed=seed, image_size=self.input_shape[0])
+            ds = tf_input.eval_dataset(
+                self.folder,
+                ids,
+                mask,
+                position,
+                augment=augment,
+                seed=seed,
+                image_size=self.input_shape[0],
+            )
             return ds.as_numpy_iterator()
         return self._array_eval(env, indices, position, mask)
 
     def _array_eval(self, env, indices, position, mask):
         for pos, m in zip(position, mask):
             k = indices[pos]
-            yield {"image": self.arrays.images[env][k],
-                   "label": self.arrays.labels[env][k].astype(np.int32), "mask": m}
+            yield {
+                "image": self.arrays.images[env][k],
+                "label": self.arrays.labels[env][k].astype(np.int32),
+                "mask": m,
+            }
 
     # ---- records ------------------------------------------------------------------
     def write_split(self, workdir: str) -> str:
         """Write ``workdir/split.json`` (indices, file lists, fingerprint); returns its path."""
         relative = self.folder.relative_paths() if self.folder is not None else None
         return splits_lib.write_split_record(
-            workdir, dataset=self.name, env_names=self.env_names, splits=self.splits,
-            fingerprint=self.fingerprint, trial_seed=self.trial_seed,
-            holdout_fraction=self.holdout_fraction, split_kind=self.split_kind,
-            relative_paths=relative)
+            workdir,
+            dataset=self.name,
+            env_names=self.env_names,
+            splits=self.splits,
+            fingerprint=self.fingerprint,
+            trial_seed=self.trial_seed,
+            holdout_fraction=self.holdout_fraction,
+            split_kind=self.split_kind,
+            relative_paths=relative,
+        )

@@ -5,6 +5,7 @@ counts are DomainBed's (per-domain counts where the dataset papers give them).
 "ImageFolder" is any such tree a researcher brings: ``data_dir`` is then the folder
 whose sub-folders are the domains. The MNIST-like datasets are built in memory.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,64 +16,99 @@ DOWNLOAD_HELP = (
     "DomainBed's downloader fetches and unpacks all of them into this layout:\n"
     "  python -m domainbed.scripts.download --data_dir=DATA_DIR\n"
     "(domainbed/scripts/download.py in https://github.com/facebookresearch/DomainBed), "
-    "then pass --data_dir=DATA_DIR.")
+    "then pass --data_dir=DATA_DIR."
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class DatasetSpec:
     name: str
-    kind: str                                   # 'folder' | 'array'
-    folder: str | None = None                   # sub-folder of data_dir ('folder' kind)
-    domains: tuple[str, ...] | None = None      # published domain folders, sorted
+    kind: str  # 'folder' | 'array'
+    folder: str | None = None  # sub-folder of data_dir ('folder' kind)
+    domains: tuple[str, ...] | None = None  # published domain folders, sorted
     num_classes: int | None = None
-    total: int | None = None                    # published image count
-    domain_totals: dict | None = None           # published per-domain counts, if known
+    total: int | None = None  # published image count
+    domain_totals: dict | None = None  # published per-domain counts, if known
     homepage: str = ""
     note: str = ""
-    build: Callable | None = None               # 'array' kind: (data_dir, data_seed) -> ArraySource
+    build: Callable | None = None  # 'array' kind: (data_dir, data_seed) -> ArraySource
 
     def missing_help(self, data_dir: str) -> str:
         if self.name == "ImageFolder":
-            return ("Expected layout: DATA_DIR/<domain>/<class>/<image> (domains and classes "
-                    "are folder names; every domain has the same class folders).")
+            return (
+                "Expected layout: DATA_DIR/<domain>/<class>/<image> (domains and classes "
+                "are folder names; every domain has the same class folders)."
+            )
         domains = ", ".join(self.domains)
-        return (f"Expected layout: {os.path.join(data_dir, self.folder)}/<domain>/<class>/<image> "
-                f"with domains [{domains}], {self.num_classes} classes, {self.total:,} images"
-                f"{' (' + self.note + ')' if self.note else ''}.\n{DOWNLOAD_HELP}\n"
-                f"Dataset homepage: {self.homepage}")
+        return (
+            f"Expected layout: {os.path.join(data_dir, self.folder)}/<domain>/<class>/<image> "
+            f"with domains [{domains}], {self.num_classes} classes, {self.total:,} images"
+            f"{' (' + self.note + ')' if self.note else ''}.\n{DOWNLOAD_HELP}\n"
+            f"Dataset homepage: {self.homepage}"
+        )
 
 
 def _array(name, build_name):
     def build(data_dir, data_seed):
         from sagm_jax.data import mnist
+
         return getattr(mnist, build_name)(data_dir, data_seed)
+
     return DatasetSpec(name=name, kind="array", build=build)
 
 
 DATASETS: dict[str, DatasetSpec] = {
     "PACS": DatasetSpec(
-        "PACS", "folder", "PACS", ("art_painting", "cartoon", "photo", "sketch"), 7, 9991,
+        "PACS",
+        "folder",
+        "PACS",
+        ("art_painting", "cartoon", "photo", "sketch"),
+        7,
+        9991,
         {"art_painting": 2048, "cartoon": 2344, "photo": 1670, "sketch": 3929},
-        homepage="https://domaingeneralization.github.io/"),
+        homepage="https://domaingeneralization.github.io/",
+    ),
     "VLCS": DatasetSpec(
-        "VLCS", "folder", "VLCS", ("Caltech101", "LabelMe", "SUN09", "VOC2007"), 5, 10729,
+        "VLCS",
+        "folder",
+        "VLCS",
+        ("Caltech101", "LabelMe", "SUN09", "VOC2007"),
+        5,
+        10729,
         {"Caltech101": 1415, "LabelMe": 2656, "SUN09": 3282, "VOC2007": 3376},
-        homepage="https://github.com/belaalb/G2DM#download-vlcs"),
+        homepage="https://github.com/belaalb/G2DM#download-vlcs",
+    ),
     "OfficeHome": DatasetSpec(
-        "OfficeHome", "folder", "office_home", ("Art", "Clipart", "Product", "Real World"), 65,
-        15588, {"Art": 2427, "Clipart": 4365, "Product": 4439, "Real World": 4357},
-        homepage="https://www.hemanthdv.org/officeHomeDataset.html"),
+        "OfficeHome",
+        "folder",
+        "office_home",
+        ("Art", "Clipart", "Product", "Real World"),
+        65,
+        15588,
+        {"Art": 2427, "Clipart": 4365, "Product": 4439, "Real World": 4357},
+        homepage="https://www.hemanthdv.org/officeHomeDataset.html",
+    ),
     "TerraIncognita": DatasetSpec(
-        "TerraIncognita", "folder", "terra_incognita",
-        ("location_100", "location_38", "location_43", "location_46"), 10, 24788,
+        "TerraIncognita",
+        "folder",
+        "terra_incognita",
+        ("location_100", "location_38", "location_43", "location_46"),
+        10,
+        24788,
         homepage="https://lila.science/datasets/caltech-camera-traps (DomainBed's download.py "
-                 "selects the four locations and ten classes)"),
+        "selects the four locations and ten classes)",
+    ),
     "DomainNet": DatasetSpec(
-        "DomainNet", "folder", "domain_net",
-        ("clipart", "infograph", "painting", "quickdraw", "real", "sketch"), 345, 586575,
+        "DomainNet",
+        "folder",
+        "domain_net",
+        ("clipart", "infograph", "painting", "quickdraw", "real", "sketch"),
+        345,
+        586575,
         homepage="http://ai.bu.edu/M3SDA/",
         note="before DomainBed's download.py removes its listed duplicates, so a "
-             "DomainBed download has slightly fewer"),
+        "DomainBed download has slightly fewer",
+    ),
     "ImageFolder": DatasetSpec("ImageFolder", "folder"),
     "RotatedMNIST": _array("RotatedMNIST", "rotated_mnist"),
     "ColoredMNIST": _array("ColoredMNIST", "colored_mnist"),
@@ -90,9 +126,19 @@ def dataset_root(spec: DatasetSpec, data_dir: str) -> str:
     return data_dir if spec.folder is None else os.path.join(data_dir, spec.folder)
 
 
-def load(name: str, data_dir: str | None, *, trial_seed: int, holdout_fraction: float = 0.2,
-         split: str = "domainbed", skip_bad_files: bool = False, verify_images: bool = True,
-         cache_dir: str | None = "default", data_seed: int = 0, image_size: int = 224):
+def load(
+    name: str,
+    data_dir: str | None,
+    *,
+    trial_seed: int,
+    holdout_fraction: float = 0.2,
+    split: str = "domainbed",
+    skip_bad_files: bool = False,
+    verify_images: bool = True,
+    cache_dir: str | None = "default",
+    data_seed: int = 0,
+    image_size: int = 224,
+):
     """Open dataset ``name`` and split it for ``trial_seed``; returns ``DomainBedData``.
 
     split: 'domainbed' (in/out by ``holdout_fraction``) or 'in_domain' (the 60/20/20
@@ -110,22 +156,35 @@ def load(name: str, data_dir: str | None, *, trial_seed: int, holdout_fraction: 
         raise ValueError(f"split must be 'domainbed' or 'in_domain', got {split!r}")
     if spec.kind == "array":
         source = spec.build(data_dir, data_seed)
-        return DomainBedData.from_arrays(name, source, trial_seed=trial_seed,
-                                         holdout_fraction=holdout_fraction, split=split)
+        return DomainBedData.from_arrays(
+            name, source, trial_seed=trial_seed, holdout_fraction=holdout_fraction, split=split
+        )
     if not data_dir or not os.path.isdir(data_dir):
         raise image_folder.DatasetNotFoundError(
-            f"Data directory not found: {data_dir!r}\n{spec.missing_help(data_dir or 'DATA_DIR')}")
+            f"Data directory not found: {data_dir!r}\n{spec.missing_help(data_dir or 'DATA_DIR')}"
+        )
     index = image_folder.scan_image_folder(
-        dataset_root(spec, data_dir), missing_help=spec.missing_help(data_dir),
-        skip_bad_files=skip_bad_files, verify_images=verify_images, cache_dir=cache_dir)
+        dataset_root(spec, data_dir),
+        missing_help=spec.missing_help(data_dir),
+        skip_bad_files=skip_bad_files,
+        verify_images=verify_images,
+        cache_dir=cache_dir,
+    )
     if spec.num_classes is not None and len(index.class_names) != spec.num_classes:
         raise image_folder.DatasetLayoutError(
             f"{name} at {index.root} has {len(index.class_names)} classes, expected "
-            f"{spec.num_classes}.\n{spec.missing_help(data_dir)}")
+            f"{spec.num_classes}.\n{spec.missing_help(data_dir)}"
+        )
     if spec.domains is not None and tuple(index.env_names) != spec.domains:
         raise image_folder.DatasetLayoutError(
             f"{name} at {index.root} has domains {index.env_names}, expected "
-            f"{list(spec.domains)}.\n{spec.missing_help(data_dir)}")
-    return DomainBedData.from_folder(name, index, trial_seed=trial_seed,
-                                     holdout_fraction=holdout_fraction, split=split,
-                                     image_size=image_size)
+            f"{list(spec.domains)}.\n{spec.missing_help(data_dir)}"
+        )
+    return DomainBedData.from_folder(
+        name,
+        index,
+        trial_seed=trial_seed,
+        holdout_fraction=holdout_fraction,
+        split=split,
+        image_size=image_size,
+    )

@@ -26,6 +26,7 @@ and the model selection data are unchanged between the two experiments::
     v = int(n * 0.2); t = int(n * 0.2)
     val = keys[:v]; test = keys[v:v + t]; train = keys[v + t:]
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -48,8 +49,9 @@ def shuffled_keys(n: int, trial_seed: int, env_index: int) -> np.ndarray:
     return np.asarray(keys, dtype=np.int64)
 
 
-def holdout_split(n: int, trial_seed: int, env_index: int,
-                  holdout_fraction: float = 0.2) -> dict[str, np.ndarray]:
+def holdout_split(
+    n: int, trial_seed: int, env_index: int, holdout_fraction: float = 0.2
+) -> dict[str, np.ndarray]:
     """DomainBed's split of one environment: ``{'in': ..., 'out': ...}`` indices."""
     if not 0.0 <= holdout_fraction < 1.0:
         raise ValueError(f"holdout_fraction must be in [0, 1), got {holdout_fraction}")
@@ -58,14 +60,13 @@ def holdout_split(n: int, trial_seed: int, env_index: int,
     return {"in": keys[n_out:], "out": keys[:n_out]}
 
 
-def in_domain_split(n: int, trial_seed: int, env_index: int,
-                    val_fraction: float = 0.2, test_fraction: float = 0.2
-                    ) -> dict[str, np.ndarray]:
+def in_domain_split(
+    n: int, trial_seed: int, env_index: int, val_fraction: float = 0.2, test_fraction: float = 0.2
+) -> dict[str, np.ndarray]:
     """The 60/20/20 split: ``{'in': train, 'out': val, 'test': test}`` (see module doc)."""
     keys = shuffled_keys(n, trial_seed, env_index)
     n_val, n_test = int(n * val_fraction), int(n * test_fraction)
-    return {"in": keys[n_val + n_test:], "out": keys[:n_val],
-            "test": keys[n_val:n_val + n_test]}
+    return {"in": keys[n_val + n_test :], "out": keys[:n_val], "test": keys[n_val : n_val + n_test]}
 
 
 def is_image_file(name: str) -> bool:
@@ -88,8 +89,9 @@ def list_domains(root: str) -> list[str]:
     return sorted(e.name for e in os.scandir(root) if e.is_dir())
 
 
-def domainbed_splits(root: str, trial_seed: int, holdout_fraction: float = 0.2
-                     ) -> list[tuple[list[str], list[str]]]:
+def domainbed_splits(
+    root: str, trial_seed: int, holdout_fraction: float = 0.2
+) -> list[tuple[list[str], list[str]]]:
     """For each environment (sorted domain folder) of ``root``: ``(in_paths, out_paths)``.
 
     ``root`` is a dataset folder, e.g. ``<data_dir>/PACS``. Files are listed in
@@ -99,31 +101,53 @@ def domainbed_splits(root: str, trial_seed: int, holdout_fraction: float = 0.2
     result = []
     for env_index, domain in enumerate(list_domains(root)):
         domain_dir = os.path.join(root, domain)
-        paths = [p for c in list_classes(domain_dir)
-                 for p in list_class_files(os.path.join(domain_dir, c))]
+        paths = [
+            p
+            for c in list_classes(domain_dir)
+            for p in list_class_files(os.path.join(domain_dir, c))
+        ]
         split = holdout_split(len(paths), trial_seed, env_index, holdout_fraction)
         result.append(([paths[k] for k in split["in"]], [paths[k] for k in split["out"]]))
     return result
 
 
-def write_split_record(workdir: str, *, dataset: str, env_names, splits, fingerprint: dict,
-                       trial_seed: int, holdout_fraction: float, split_kind: str,
-                       relative_paths=None) -> str:
+def write_split_record(
+    workdir: str,
+    *,
+    dataset: str,
+    env_names,
+    splits,
+    fingerprint: dict,
+    trial_seed: int,
+    holdout_fraction: float,
+    split_kind: str,
+    relative_paths=None,
+) -> str:
     """Write ``<workdir>/split.json``: the dataset fingerprint and, per environment, the
     index lists of each split part (indices into the environment's example order) and,
     for image folders, the relative file paths of each part. Returns the file path."""
     os.makedirs(workdir, exist_ok=True)
     envs = []
     for env_index, (name, parts) in enumerate(zip(env_names, splits)):
-        entry = {"env": env_index, "name": name,
-                 "indices": {part: [int(i) for i in idx] for part, idx in parts.items()}}
+        entry = {
+            "env": env_index,
+            "name": name,
+            "indices": {part: [int(i) for i in idx] for part, idx in parts.items()},
+        }
         if relative_paths is not None:
-            entry["files"] = {part: [relative_paths[env_index][int(i)] for i in idx]
-                              for part, idx in parts.items()}
+            entry["files"] = {
+                part: [relative_paths[env_index][int(i)] for i in idx]
+                for part, idx in parts.items()
+            }
         envs.append(entry)
-    record = {"dataset": dataset, "trial_seed": trial_seed,
-              "holdout_fraction": holdout_fraction, "split": split_kind,
-              "fingerprint": fingerprint, "environments": envs}
+    record = {
+        "dataset": dataset,
+        "trial_seed": trial_seed,
+        "holdout_fraction": holdout_fraction,
+        "split": split_kind,
+        "fingerprint": fingerprint,
+        "environments": envs,
+    }
     path = os.path.join(workdir, "split.json")
     tmp = path + ".tmp"
     with open(tmp, "w") as f:

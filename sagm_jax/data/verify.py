@@ -7,6 +7,7 @@ total). Exits 0 when everything matches, 1 on a mismatch, 2 when the dataset can
 be opened. DomainNet's published total is before DomainBed removes its listed
 duplicates, so a DomainBed download may have fewer: its total only may not exceed it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,19 +42,29 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dataset", required=True, help=f"one of {sorted(registry.DATASETS)}")
     parser.add_argument("--data_dir", required=True)
-    parser.add_argument("--skip_bad_files", action="store_true",
-                        help="report undecodable files and go on, instead of failing")
+    parser.add_argument(
+        "--skip_bad_files",
+        action="store_true",
+        help="report undecodable files and go on, instead of failing",
+    )
     parser.add_argument("--no_cache", action="store_true", help="re-check every file")
     args = parser.parse_args(argv)
     spec = registry.get_spec(args.dataset)
     if spec.kind != "folder":
         parser.error(f"{args.dataset} is built in memory; verify checks image folders")
     try:
-        ds = registry.load(args.dataset, args.data_dir, trial_seed=0,
-                           skip_bad_files=args.skip_bad_files,
-                           cache_dir=None if args.no_cache else "default")
-    except (image_folder.DatasetNotFoundError, image_folder.DatasetLayoutError,
-            image_folder.BadImageError) as e:
+        ds = registry.load(
+            args.dataset,
+            args.data_dir,
+            trial_seed=0,
+            skip_bad_files=args.skip_bad_files,
+            cache_dir=None if args.no_cache else "default",
+        )
+    except (
+        image_folder.DatasetNotFoundError,
+        image_folder.DatasetLayoutError,
+        image_folder.BadImageError,
+    ) as e:
         print(f"FAILED: {e}", file=sys.stderr)
         return 2
     fp = ds.fingerprint
@@ -62,8 +73,10 @@ def main(argv=None) -> int:
         print(f"{domain}: {fp['domain_totals'][domain]} images")
         for cls, n in counts.items():
             print(f"  {cls:<{width}} {n}")
-    print(f"total: {fp['total']} images, {len(ds.class_names)} classes, "
-          f"files sha256 {fp['files_sha256']}")
+    print(
+        f"total: {fp['total']} images, {len(ds.class_names)} classes, "
+        f"files sha256 {fp['files_sha256']}"
+    )
     if ds.skipped:
         print(f"skipped {len(ds.skipped)} undecodable file(s):")
         for s in ds.skipped:

@@ -14,6 +14,7 @@ This package owns the networks and their weights:
 'mixstyle': k2})`` and returns logits; with ``freeze_batchnorm=False`` a training
 call also passes ``mutable=['batch_stats']``.
 """
+
 from __future__ import annotations
 
 import flax.linen as nn
@@ -73,10 +74,16 @@ def create(
     mixstyle_after = tuple(sorted(set(mixstyle_after)))
     if arch == "mnist_cnn":
         if mixstyle_after:
-            raise ValueError(f"mnist_cnn has no MixStyle layers; got mixstyle_after={mixstyle_after}")
+            raise ValueError(
+                f"mnist_cnn has no MixStyle layers; got mixstyle_after={mixstyle_after}"
+            )
         widths = {} if cnn_widths is None else {"widths": tuple(cnn_widths)}
-        return MnistCNN(num_classes=num_classes, dropout_rate=dropout_rate,
-                        input_channels=input_channels, **widths)
+        return MnistCNN(
+            num_classes=num_classes,
+            dropout_rate=dropout_rate,
+            input_channels=input_channels,
+            **widths,
+        )
     if bad := [stage for stage in mixstyle_after if stage not in MIXSTYLE_STAGES]:
         raise ValueError(f"mixstyle_after may only name ResNet stages {MIXSTYLE_STAGES}, got {bad}")
     return ResNet(

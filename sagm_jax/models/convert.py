@@ -8,12 +8,18 @@ is checked strictly against torchvision's ResNet layout before it is written. Th
 source file's SHA-256 is stored in the safetensors metadata (``source_sha256``)
 and both digests are printed, so results can be traced to the original download.
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 
-from sagm_jax.models.torchvision_weights import convert_torchvision, infer_arch, load_weights, save_weights
+from sagm_jax.models.torchvision_weights import (
+    convert_torchvision,
+    infer_arch,
+    load_weights,
+    save_weights,
+)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,7 +31,13 @@ def main(argv: list[str] | None = None) -> None:
     arch = infer_arch(state_dict)
     convert_torchvision(state_dict, arch=arch)  # strict check: fails with the offending keys
     target_sha256 = save_weights(
-        state_dict, args.target, metadata={"source_sha256": source_sha256, "source_name": os.path.basename(args.source), "arch": arch}
+        state_dict,
+        args.target,
+        metadata={
+            "source_sha256": source_sha256,
+            "source_name": os.path.basename(args.source),
+            "arch": arch,
+        },
     )
     print(f"{arch}: {len(state_dict)} arrays")
     print(f"source {args.source} sha256 {source_sha256}")

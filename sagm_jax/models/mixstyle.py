@@ -22,6 +22,7 @@ otherwise ``out = x``. The layer is active only when the caller asks for it
 draws come from the Linen rng stream ``'mixstyle'``, so a call is a pure
 function of its inputs and that key.
 """
+
 from __future__ import annotations
 
 import jax

@@ -14,6 +14,7 @@ is not in DomainBed) so the ResNet and this network take the same arguments.
 Initialization mirrors torch's defaults for Conv2d and Linear
 (U(-1/sqrt(fan_in), 1/sqrt(fan_in)) bounds, kaiming-uniform with a = sqrt(5)).
 """
+
 from __future__ import annotations
 
 import jax
@@ -58,8 +59,10 @@ class MnistCNN(nn.Module):
                 f"{x.shape} (NHWC expected)"
             )
         if len(self.widths) != len(CONV_LAYERS) or any(w % GROUPNORM_GROUPS for w in self.widths):
-            raise ValueError(f"MnistCNN widths must be {len(CONV_LAYERS)} multiples of "
-                             f"{GROUPNORM_GROUPS}, got {self.widths}")
+            raise ValueError(
+                f"MnistCNN widths must be {len(CONV_LAYERS)} multiples of "
+                f"{GROUPNORM_GROUPS}, got {self.widths}"
+            )
         for index, (features, (_, stride)) in enumerate(zip(self.widths, CONV_LAYERS), start=1):
             fan_in = 9 * x.shape[-1]
             x = nn.Conv(
@@ -72,7 +75,9 @@ class MnistCNN(nn.Module):
                 name=f"conv{index}",
             )(x)
             x = nn.relu(x)
-            x = nn.GroupNorm(num_groups=GROUPNORM_GROUPS, epsilon=GROUPNORM_EPS, name=f"groupnorm{index}")(x)
+            x = nn.GroupNorm(
+                num_groups=GROUPNORM_GROUPS, epsilon=GROUPNORM_EPS, name=f"groupnorm{index}"
+            )(x)
         features = jnp.mean(x, axis=(1, 2))
         if self.dropout_rate > 0.0:
             features = nn.Dropout(self.dropout_rate, deterministic=not train)(features)

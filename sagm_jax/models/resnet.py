@@ -31,6 +31,7 @@ Variable names mirror torchvision's module names (``conv1``, ``bn1``,
 ``layer1_0/conv2``, ``layer2_0/downsample_conv``, ...), so the mapping to
 torchvision's keys in ``torchvision_weights`` is mechanical.
 """
+
 from __future__ import annotations
 
 import math

@@ -20,6 +20,7 @@ Every array is float32. ``weights_fingerprint`` hashes the drawn arrays, so a
 change of NumPy's generator would show up as a clear test failure rather than as
 a parity error.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -41,7 +42,9 @@ def _is_last_bn_of_branch(torch_key: str, arch: str) -> bool:
     return torch_key.startswith("layer") and f".{last_bn}." in torch_key
 
 
-def draw_torchvision_weights(arch: str, seed: int, num_classes: int = 1000) -> dict[str, np.ndarray]:
+def draw_torchvision_weights(
+    arch: str, seed: int, num_classes: int = 1000
+) -> dict[str, np.ndarray]:
     """A torchvision ``state_dict()`` for ``arch`` (without counters), in its key order."""
     rng = np.random.default_rng(seed)
     weights = {}

@@ -27,6 +27,7 @@ Layouts: torch convolution weights are [out, in, kh, kw] and Flax kernels
 BatchNorm ``weight``/``bias`` are our ``scale``/``bias`` params and
 ``running_mean``/``running_var`` our ``mean``/``var`` batch statistics.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -63,7 +64,15 @@ class LayoutEntry:
 
 
 def _conv_entries(torch_module: str, flax_module: tuple[str, ...], out_ch: int, in_ch: int, k: int):
-    return [LayoutEntry(f"{torch_module}.weight", (out_ch, in_ch, k, k), "params", flax_module + ("kernel",), "conv")]
+    return [
+        LayoutEntry(
+            f"{torch_module}.weight",
+            (out_ch, in_ch, k, k),
+            "params",
+            flax_module + ("kernel",),
+            "conv",
+        )
+    ]
 
 
 def _bn_entries(torch_module: str, flax_module: tuple[str, ...], channels: int):
@@ -71,8 +80,12 @@ def _bn_entries(torch_module: str, flax_module: tuple[str, ...], channels: int):
     return [
         LayoutEntry(f"{torch_module}.weight", shape, "params", flax_module + ("scale",), "vector"),
         LayoutEntry(f"{torch_module}.bias", shape, "params", flax_module + ("bias",), "vector"),
-        LayoutEntry(f"{torch_module}.running_mean", shape, "batch_stats", flax_module + ("mean",), "vector"),
-        LayoutEntry(f"{torch_module}.running_var", shape, "batch_stats", flax_module + ("var",), "vector"),
+        LayoutEntry(
+            f"{torch_module}.running_mean", shape, "batch_stats", flax_module + ("mean",), "vector"
+        ),
+        LayoutEntry(
+            f"{torch_module}.running_var", shape, "batch_stats", flax_module + ("var",), "vector"
+        ),
     ]
 
 
@@ -93,15 +106,25 @@ def torchvision_layout(arch: str, num_classes: int = 1000) -> list[LayoutEntry]:
             else:
                 convs = [(width, in_ch, 1), (width, width, 3), (width * expansion, width, 1)]
             for number, (out_ch, conv_in, k) in enumerate(convs, start=1):
-                entries += _conv_entries(f"{torch_block}.conv{number}", (flax_block, f"conv{number}"), out_ch, conv_in, k)
-                entries += _bn_entries(f"{torch_block}.bn{number}", (flax_block, f"bn{number}"), out_ch)
+                entries += _conv_entries(
+                    f"{torch_block}.conv{number}", (flax_block, f"conv{number}"), out_ch, conv_in, k
+                )
+                entries += _bn_entries(
+                    f"{torch_block}.bn{number}", (flax_block, f"bn{number}"), out_ch
+                )
             out_ch = width * expansion
             if stride != 1 or in_ch != out_ch:
-                entries += _conv_entries(f"{torch_block}.downsample.0", (flax_block, "downsample_conv"), out_ch, in_ch, 1)
-                entries += _bn_entries(f"{torch_block}.downsample.1", (flax_block, "downsample_bn"), out_ch)
+                entries += _conv_entries(
+                    f"{torch_block}.downsample.0", (flax_block, "downsample_conv"), out_ch, in_ch, 1
+                )
+                entries += _bn_entries(
+                    f"{torch_block}.downsample.1", (flax_block, "downsample_bn"), out_ch
+                )
             in_ch = out_ch
     entries += [
-        LayoutEntry("fc.weight", (num_classes, in_ch), "params", ("classifier", "kernel"), "linear"),
+        LayoutEntry(
+            "fc.weight", (num_classes, in_ch), "params", ("classifier", "kernel"), "linear"
+        ),
         LayoutEntry("fc.bias", (num_classes,), "params", ("classifier", "bias"), "vector"),
     ]
     return entries
@@ -130,7 +153,9 @@ def convert_torchvision(state_dict: Mapping[str, Any], arch: str | None = None) 
     """
     arch = arch or infer_arch(state_dict)
     fc_weight = state_dict.get("fc.weight")
-    num_classes = int(np.shape(fc_weight)[0]) if fc_weight is not None and np.ndim(fc_weight) == 2 else 1000
+    num_classes = (
+        int(np.shape(fc_weight)[0]) if fc_weight is not None and np.ndim(fc_weight) == 2 else 1000
+    )
     layout = torchvision_layout(arch, num_classes)
     expected = {entry.torch_key for entry in layout}
     given = {key for key in state_dict if not key.endswith(IGNORED_SUFFIX)}
@@ -145,7 +170,9 @@ def convert_torchvision(state_dict: Mapping[str, Any], arch: str | None = None) 
         if entry.torch_key in given and tuple(np.shape(state_dict[entry.torch_key])) != entry.shape
     ]
     if misshaped:
-        problems.append(f"mis-shaped keys ({len(misshaped)}): " + "; ".join(misshaped[:MAX_KEYS_IN_MESSAGE]))
+        problems.append(
+            f"mis-shaped keys ({len(misshaped)}): " + "; ".join(misshaped[:MAX_KEYS_IN_MESSAGE])
+        )
     if problems:
         raise ValueError(f"state dict does not match torchvision {arch}: " + " | ".join(problems))
 
@@ -183,7 +210,9 @@ def _unflatten(flat: Mapping[tuple[str, ...], Any]) -> dict:
     return tree
 
 
-def with_pretrained_backbone(variables: Mapping, converted: Mapping, head: str = "classifier") -> dict:
+def with_pretrained_backbone(
+    variables: Mapping, converted: Mapping, head: str = "classifier"
+) -> dict:
     """Fresh ``variables`` with every backbone entry taken from ``converted``.
 
     Every entry of ``variables`` outside ``params[head]`` must exist in
@@ -191,6 +220,7 @@ def with_pretrained_backbone(variables: Mapping, converted: Mapping, head: str =
     besides its own ``params[head]`` (the ImageNet fc, deliberately dropped).
     Mismatches are errors naming the entries. The fresh head is kept as it is.
     """
+
     def is_head(path):
         return path[0] == "params" and path[1] == head
 
@@ -200,7 +230,9 @@ def with_pretrained_backbone(variables: Mapping, converted: Mapping, head: str =
     source_backbone = {path for path in source if not is_head(path)}
     problems = []
     if missing := fresh_backbone - source_backbone:
-        problems.append(f"missing from the converted weights: {_name_keys('/'.join(p) for p in missing)}")
+        problems.append(
+            f"missing from the converted weights: {_name_keys('/'.join(p) for p in missing)}"
+        )
     if unexpected := source_backbone - fresh_backbone:
         problems.append(f"not in the model: {_name_keys('/'.join(p) for p in unexpected)}")
     misshaped = [
@@ -236,7 +268,9 @@ def _load_pth(path: str) -> dict[str, np.ndarray]:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises many types for a corrupt or foreign file
         raise ValueError(f"{path}: torch.load cannot read it as a checkpoint ({error})") from error
-    if not isinstance(loaded, Mapping) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
+    if not isinstance(loaded, Mapping) or not all(
+        isinstance(v, torch.Tensor) for v in loaded.values()
+    ):
         raise ValueError(
             f"{path}: expected a state dict (a mapping of names to tensors, as torchvision "
             f"saves), got {type(loaded).__name__}"
@@ -278,11 +312,17 @@ def load_weights(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], str]:
         ".npz": _load_npz,
     }
     if suffix not in readers:
-        raise ValueError(f"{path}: unsupported weights format {suffix!r}; expected one of {SUPPORTED_SUFFIXES}")
+        raise ValueError(
+            f"{path}: unsupported weights format {suffix!r}; expected one of {SUPPORTED_SUFFIXES}"
+        )
     return readers[suffix](path), file_sha256(path)
 
 
-def save_weights(state_dict: Mapping[str, Any], path: str | os.PathLike, metadata: Mapping[str, str] | None = None) -> str:
+def save_weights(
+    state_dict: Mapping[str, Any],
+    path: str | os.PathLike,
+    metadata: Mapping[str, str] | None = None,
+) -> str:
     """Write a state dict as ``.safetensors`` (with ``metadata``) or ``.npz``; return its SHA-256."""
     path = os.fspath(path)
     arrays = {key: np.ascontiguousarray(np.asarray(value)) for key, value in state_dict.items()}

@@ -1,10 +1,11 @@
 """Small DomainBed-style image folders written by the tests themselves."""
+
 import os
 
 import numpy as np
 from PIL import Image
 
-DOMAINS = ("domain_b", "domain_a", "domain_c")      # written unsorted on purpose
+DOMAINS = ("domain_b", "domain_a", "domain_c")  # written unsorted on purpose
 CLASSES = ("dog", "cat", "Zebra")
 SIZES = ((40, 30), (17, 64), (96, 20), (33, 33), (50, 80))  # (width, height), odd ratios
 
@@ -32,8 +33,12 @@ def make_tree(root, per_class=(3, 4, 2), nested=True):
                 ext = {"PNG": ".png", "JPEG": ".jpg"}[fmt]
                 if k in (1, 2):
                     ext = ext.upper()
-                write_image(os.path.join(class_dir, f"img_{k:02d}{ext}"),
-                            SIZES[seed % len(SIZES)], seed, fmt)
+                write_image(
+                    os.path.join(class_dir, f"img_{k:02d}{ext}"),
+                    SIZES[seed % len(SIZES)],
+                    seed,
+                    fmt,
+                )
                 n_domain += 1
             if nested:
                 seed += 1

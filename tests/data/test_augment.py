@@ -1,5 +1,5 @@
 """Augmentation statistics over many draws, and the crop-box rule checked directly."""
-import math
+
 
 import numpy as np
 import pytest
@@ -26,7 +26,7 @@ def test_crop_area_and_bounds(height, width):
     # Rounding h and w to integers moves the area by at most about (h + w) / 2 pixels.
     slack = (height + width) / (2 * height * width) + 1e-9
     assert frac.min() >= 0.7 - slack and frac.max() <= 1.0 + slack
-    assert frac.min() < 0.72 and frac.max() > 0.97          # the whole range is used
+    assert frac.min() < 0.72 and frac.max() > 0.97  # the whole range is used
     ratio = w / h
     assert ratio.min() >= 0.75 * (1 - 0.02) and ratio.max() <= 4 / 3 * (1 + 0.02)
 
@@ -43,11 +43,13 @@ def test_crop_aspect_is_log_uniform():
 def test_crop_fallback_centre_crop_with_clamped_ratio():
     # No try fits a 10x300 strip: torchvision falls back to a centred crop with the
     # aspect ratio clamped to 4/3: h = 10, w = round(10 * 4/3) = 13.
-    top, left, h, w = [int(v) for v in augment.random_resized_crop_box(
-        tf.constant([1, 2], tf.int64), 10, 300)]
+    top, left, h, w = [
+        int(v) for v in augment.random_resized_crop_box(tf.constant([1, 2], tf.int64), 10, 300)
+    ]
     assert (top, left, h, w) == (0, (300 - 13) // 2, 10, 13)
-    top, left, h, w = [int(v) for v in augment.random_resized_crop_box(
-        tf.constant([1, 2], tf.int64), 300, 10)]
+    top, left, h, w = [
+        int(v) for v in augment.random_resized_crop_box(tf.constant([1, 2], tf.int64), 300, 10)
+    ]
     assert (top, left, h, w) == ((300 - 13) // 2, 0, round(10 / 0.75), 10)
 
 
@@ -55,26 +57,27 @@ def run_many(image, n=N):
     image = tf.constant(image)
     seeds = tf.random.experimental.stateless_split(tf.constant([3, 5], tf.int64), n)
     ds = tf.data.Dataset.from_tensor_slices(seeds).map(
-        lambda s: augment.train_transform(image, s, size=32), num_parallel_calls=tf.data.AUTOTUNE)
+        lambda s: augment.train_transform(image, s, size=32), num_parallel_calls=tf.data.AUTOTUNE
+    )
     out = np.concatenate([b for b in ds.batch(256).as_numpy_iterator()])
     return out * np.array(augment.IMAGENET_STD) + np.array(augment.IMAGENET_MEAN)
 
 
 def test_flip_rate_about_half():
     image = np.zeros((64, 64, 3), np.uint8)
-    image[:, 32:] = 200                                    # dark left, bright right
+    image[:, 32:] = 200  # dark left, bright right
     x = run_many(image)
     flipped = x[:, :, :3].mean(axis=(1, 2, 3)) > x[:, :, -3:].mean(axis=(1, 2, 3))
-    assert abs(flipped.mean() - 0.5) < 0.05               # about 4.5 standard errors
+    assert abs(flipped.mean() - 0.5) < 0.05  # about 4.5 standard errors
 
 
 def test_grayscale_rate_about_a_tenth():
     image = np.zeros((64, 64, 3), np.uint8)
-    image[:, :32, 0] = 220                                 # red left
-    image[:, 32:, 2] = 220                                 # blue right
+    image[:, :32, 0] = 220  # red left
+    image[:, 32:, 2] = 220  # blue right
     x = run_many(image)
     gray = np.abs(x - x[..., :1]).max(axis=(1, 2, 3)) < 1e-3
-    assert abs(gray.mean() - 0.1) < 0.03                  # about 4.5 standard errors
+    assert abs(gray.mean() - 0.1) < 0.03  # about 4.5 standard errors
 
 
 def test_brightness_jitter_range():

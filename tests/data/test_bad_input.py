@@ -1,4 +1,5 @@
 """Each kind of bad input gets its own clear error; skip_bad_files counts the skips."""
+
 import logging
 import os
 import shutil
@@ -96,10 +97,10 @@ def test_skip_bad_files_reports_and_drops(tree, tmp_path, caplog):
 
 
 def test_check_result_cached_but_changed_file_rechecked(tree, tmp_path):
-    load(tree, tmp_path)                         # fills the cache
+    load(tree, tmp_path)  # fills the cache
     target = os.path.join(tree, "domain_a", "cat", "img_00.jpg")
     with open(target, "wb") as f:
-        f.write(b"")                               # size and mtime change -> new key
+        f.write(b"")  # size and mtime change -> new key
     with pytest.raises(data.BadImageError, match="img_00.jpg"):
         load(tree, tmp_path)
 

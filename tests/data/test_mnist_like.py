@@ -1,4 +1,5 @@
 """RotatedDigits, and RotatedMNIST / ColoredMNIST on tfds mock MNIST."""
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -9,6 +10,7 @@ from sagm_jax.data import mnist
 
 def test_rotated_digits_shapes_labels_envs():
     from sklearn.datasets import load_digits
+
     ds = data.load("RotatedDigits", None, trial_seed=0)
     assert ds.env_names == ["0", "15", "30", "45", "60", "75"]
     assert ds.num_classes == 10 and ds.input_shape == (28, 28, 1)
@@ -32,10 +34,10 @@ def test_rotated_digits_shapes_labels_envs():
 
 def test_rotation_is_counter_clockwise_about_centre():
     image = np.zeros((28, 28), np.uint8)
-    image[2:6, 12:16] = 255                  # a blob at the top centre
+    image[2:6, 12:16] = 255  # a blob at the top centre
     rotated = mnist.rotate_uint8(image[None], 90)[0]
     ys, xs = np.nonzero(rotated > 128)
-    assert xs.mean() < 8 and abs(ys.mean() - 13.5) < 2   # moved to the left edge
+    assert xs.mean() < 8 and abs(ys.mean() - 13.5) < 2  # moved to the left edge
 
 
 @pytest.fixture
@@ -49,7 +51,7 @@ def test_rotated_mnist_on_mock_data(mock_mnist):
     ds = data.load("RotatedMNIST", None, trial_seed=0)
     assert ds.env_names == ["0", "15", "30", "45", "60", "75"]
     assert ds.input_shape == (28, 28, 1) and ds.num_classes == 10
-    assert ds.fingerprint["total"] == 1200          # mock train (600) + test (600)
+    assert ds.fingerprint["total"] == 1200  # mock train (600) + test (600)
     raw, labels = mnist.load_mnist_uint8(None)
     perm = np.random.RandomState(0).permutation(len(raw))
     for i in range(6):
@@ -67,10 +69,10 @@ def test_colored_mnist_on_mock_data(mock_mnist):
         x, y = ds.arrays.images[i], ds.arrays.labels[i]
         d = digits[perm][i::3]
         label_flip = np.mean(y != (d < 5))
-        assert abs(label_flip - 0.25) < 0.1         # 400 examples: s.e. about 0.022
+        assert abs(label_flip - 0.25) < 0.1  # 400 examples: s.e. about 0.022
         ink = x.reshape(len(x), -1, 2).sum(axis=1)
         has_ink = ink.max(axis=1) > 0
-        assert np.all(ink.min(axis=1) == 0)          # one channel always empty
+        assert np.all(ink.min(axis=1) == 0)  # one channel always empty
         colour = ink.argmax(axis=1)
         colour_flip = np.mean(colour[has_ink] != y[has_ink])
         assert abs(colour_flip - flip_prob) < 0.1

@@ -1,4 +1,5 @@
 """Training and evaluation batches of an image folder, and their placement on a mesh."""
+
 import jax
 import numpy as np
 import pytest
@@ -12,8 +13,13 @@ import sagm_jax.data as data
 def folder_data(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("pipe") / "tree")
     make_tree(root)
-    return data.load("ImageFolder", root, trial_seed=0, image_size=32,
-                     cache_dir=str(tmp_path_factory.mktemp("cache")))
+    return data.load(
+        "ImageFolder",
+        root,
+        trial_seed=0,
+        image_size=32,
+        cache_dir=str(tmp_path_factory.mktemp("cache")),
+    )
 
 
 def test_train_batch_per_env_in_env_order(folder_data):
@@ -26,7 +32,7 @@ def test_train_batch_per_env_in_env_order(folder_data):
     picks = data.sample_train_indices(5, 0, [ds.splits[e]["in"] for e in train_envs], 4)
     expected = np.concatenate([ds.folder.labels[e][k] for e, k in zip(train_envs, picks)])
     np.testing.assert_array_equal(batch["label"], expected)
-    for e, k in zip(train_envs, picks):   # only 'in' examples are drawn
+    for e, k in zip(train_envs, picks):  # only 'in' examples are drawn
         assert set(k) <= set(ds.splits[e]["in"])
 
 
@@ -34,14 +40,20 @@ def test_train_batches_resume_and_split_across_hosts(folder_data):
     ds = folder_data
     full = ds.train_iterator([0, 1], seed=1, batch_per_env=4, process_index=0, process_count=1)
     steps = [next(full) for _ in range(3)]
-    resumed = next(ds.train_iterator([0, 1], seed=1, batch_per_env=4, start_step=2,
-                                     process_index=0, process_count=1))
+    resumed = next(
+        ds.train_iterator(
+            [0, 1], seed=1, batch_per_env=4, start_step=2, process_index=0, process_count=1
+        )
+    )
     np.testing.assert_array_equal(resumed["image"], steps[2]["image"])
     assert not np.array_equal(steps[0]["image"], steps[1]["image"])
-    halves = [next(ds.train_iterator([0, 1], seed=1, batch_per_env=4, process_index=p,
-                                     process_count=2)) for p in (0, 1)]
-    np.testing.assert_allclose(np.concatenate([h["image"] for h in halves]), steps[0]["image"],
-                               atol=1e-5)
+    halves = [
+        next(ds.train_iterator([0, 1], seed=1, batch_per_env=4, process_index=p, process_count=2))
+        for p in (0, 1)
+    ]
+    np.testing.assert_allclose(
+        np.concatenate([h["image"] for h in halves]), steps[0]["image"], atol=1e-5
+    )
     with pytest.raises(ValueError, match="divide"):
         ds.train_iterator([0, 1], seed=1, batch_per_env=3, process_index=0, process_count=4)
 
@@ -51,8 +63,9 @@ def test_eval_visits_every_example_once(folder_data, part, batch_size):
     ds = folder_data
     for env in range(len(ds.env_names)):
         indices = ds.splits[env][part]
-        batches = list(ds.eval_iterator(env, part, batch_size=batch_size,
-                                        process_index=0, process_count=1))
+        batches = list(
+            ds.eval_iterator(env, part, batch_size=batch_size, process_index=0, process_count=1)
+        )
         assert all(b["image"].shape[0] == batch_size for b in batches)
         labels = np.concatenate([b["label"][b["mask"]] for b in batches])
         assert int(sum(b["mask"].sum() for b in batches)) == len(indices)
@@ -62,12 +75,13 @@ def test_eval_visits_every_example_once(folder_data, part, batch_size):
 
 def test_eval_images_are_the_squashed_files(folder_data):
     from PIL import Image
+
     ds = folder_data
     batch = next(ds.eval_iterator(1, "out", batch_size=2, process_index=0, process_count=1))
     path = ds.folder.paths[1][ds.splits[1]["out"][0]]
     pil = np.asarray(Image.open(path).convert("RGB").resize((32, 32), Image.BILINEAR)) / 255.0
     ours = batch["image"][0] * np.array([0.229, 0.224, 0.225]) + np.array([0.485, 0.456, 0.406])
-    assert np.abs(ours - pil).mean() < 0.03   # PIL vs TF antialiased bilinear
+    assert np.abs(ours - pil).mean() < 0.03  # PIL vs TF antialiased bilinear
 
 
 def test_eval_hosts_cover_disjoint_columns():
@@ -81,12 +95,15 @@ def test_eval_hosts_cover_disjoint_columns():
 
 def test_global_batch_on_eight_device_mesh():
     ds = data.load("RotatedDigits", None, trial_seed=0)
-    batch = next(ds.train_iterator([0, 2, 3, 5], seed=0, batch_per_env=32,
-                                   process_index=0, process_count=1))
+    batch = next(
+        ds.train_iterator([0, 2, 3, 5], seed=0, batch_per_env=32, process_index=0, process_count=1)
+    )
     assert batch["image"].shape == (128, 28, 28, 1)
     picks = data.sample_train_indices(0, 0, [ds.splits[e]["in"] for e in (0, 2, 3, 5)], 32)
     for slot, (e, k) in enumerate(zip((0, 2, 3, 5), picks)):
-        np.testing.assert_array_equal(batch["image"][32 * slot:32 * (slot + 1)], ds.arrays.images[e][k])
+        np.testing.assert_array_equal(
+            batch["image"][32 * slot : 32 * (slot + 1)], ds.arrays.images[e][k]
+        )
     assert len(jax.devices()) == 8
     mesh = Mesh(np.array(jax.devices()), ("batch",))
     placed = data.to_global_batch(batch, mesh)

@@ -1,4 +1,5 @@
 """Our file order and splits against an independent implementation of DomainBed's rule."""
+
 import hashlib
 import json
 import os
@@ -14,6 +15,7 @@ EXTS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp
 
 def reference_splits(root, trial_seed, holdout_fraction):
     """DomainBed's rule written out again, independently of the package."""
+
     def md5_seed(*args):
         return int(hashlib.md5(str(args).encode("utf-8")).hexdigest(), 16) % (2**31)
 
@@ -22,7 +24,9 @@ def reference_splits(root, trial_seed, holdout_fraction):
     for i, env in enumerate(envs):
         env_dir = os.path.join(root, env)
         files = []
-        for cls in sorted(c for c in os.listdir(env_dir) if os.path.isdir(os.path.join(env_dir, c))):
+        for cls in sorted(
+            c for c in os.listdir(env_dir) if os.path.isdir(os.path.join(env_dir, c))
+        ):
             walked = list(os.walk(os.path.join(env_dir, cls), followlinks=True))
             walked.sort()
             for dirpath, _, names in walked:
@@ -93,8 +97,9 @@ def test_load_uses_the_same_split_and_writes_record(tree, tmp_path):
 
 def test_in_domain_split_partitions_with_domainbed_val(tree, tmp_path):
     root, _ = tree
-    ds = data.load("ImageFolder", root, trial_seed=1, split="in_domain",
-                   cache_dir=str(tmp_path / "c"))
+    ds = data.load(
+        "ImageFolder", root, trial_seed=1, split="in_domain", cache_dir=str(tmp_path / "c")
+    )
     ref = reference_splits(root, 1, 0.2)
     for e, parts in enumerate(ds.splits):
         n = ds.env_sizes[e]
@@ -111,6 +116,7 @@ def test_unknown_dataset_lists_valid_names():
 def test_importing_the_package_does_not_start_tensorflow():
     import subprocess
     import sys
+
     code = "import sys, sagm_jax.data; print('tensorflow' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

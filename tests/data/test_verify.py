@@ -1,4 +1,5 @@
 """The verify command: counts per domain and class, and the comparison with published totals."""
+
 import os
 import subprocess
 import sys
@@ -14,8 +15,12 @@ def make_vlcs_like(root, per_class=2):
     for d_index, domain in enumerate(VLCS):
         for c in range(5):
             for k in range(per_class + d_index):
-                write_image(os.path.join(root, "VLCS", domain, f"class{c}", f"{k}.jpg"),
-                            (20, 16), k + 100 * c + 1000 * d_index, "JPEG")
+                write_image(
+                    os.path.join(root, "VLCS", domain, f"class{c}", f"{k}.jpg"),
+                    (20, 16),
+                    k + 100 * c + 1000 * d_index,
+                    "JPEG",
+                )
 
 
 def test_verify_prints_counts_and_fails_on_mismatch(tmp_path, capsys):
@@ -39,7 +44,10 @@ def test_compare_accepts_published_counts():
 
 
 def test_verify_command_missing_data_exits_nonzero(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "sagm_jax.data.verify", "--dataset=PACS",
-                             f"--data_dir={tmp_path}"], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "sagm_jax.data.verify", "--dataset=PACS", f"--data_dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 2
     assert "PACS/<domain>/<class>/<image>" in result.stderr

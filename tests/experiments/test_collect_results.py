@@ -5,6 +5,7 @@ report of a synthetic sweep (``golden_records.json``, see make_golden_records.py
 Regenerate the goldens after an intended change with
 ``UPDATE_GOLDEN=1 pytest tests/experiments/test_collect_results.py``.
 """
+
 import json
 import os
 
@@ -25,184 +26,260 @@ GOLDEN = {  # (selection, latex) -> golden file
 
 
 def rec(step, **accs):
-  return {"step": step, **accs}
+    return {"step": step, **accs}
 
 
 # --- selection by hand -----------------------------------------------------------
 # Three environments; test environment 0; accuracies chosen so that each rule picks
 # a different checkpoint.
-RUN = [rec(0, env0_in_acc=.50, env0_out_acc=.90, env1_out_acc=.6, env2_out_acc=.6,
-           env1_in_acc=.7, env2_in_acc=.7),
-       rec(1, env0_in_acc=.60, env0_out_acc=.70, env1_out_acc=.8, env2_out_acc=.9,
-           env1_in_acc=.7, env2_in_acc=.7),
-       rec(2, env0_in_acc=.70, env0_out_acc=.80, env1_out_acc=.7, env2_out_acc=.7,
-           env1_in_acc=.7, env2_in_acc=.7)]
+RUN = [
+    rec(
+        0,
+        env0_in_acc=0.50,
+        env0_out_acc=0.90,
+        env1_out_acc=0.6,
+        env2_out_acc=0.6,
+        env1_in_acc=0.7,
+        env2_in_acc=0.7,
+    ),
+    rec(
+        1,
+        env0_in_acc=0.60,
+        env0_out_acc=0.70,
+        env1_out_acc=0.8,
+        env2_out_acc=0.9,
+        env1_in_acc=0.7,
+        env2_in_acc=0.7,
+    ),
+    rec(
+        2,
+        env0_in_acc=0.70,
+        env0_out_acc=0.80,
+        env1_out_acc=0.7,
+        env2_out_acc=0.7,
+        env1_in_acc=0.7,
+        env2_in_acc=0.7,
+    ),
+]
 
 
 def test_training_domain_run_picks_best_training_out_mean():
-  # means of env1/env2 out: 0.6, 0.85, 0.7 -> step 1
-  assert selection.training_domain_run({(0,): RUN}, 0) == {
-      "step": 1, "val_acc": pytest.approx(0.85), "test_acc": 0.60}
+    # means of env1/env2 out: 0.6, 0.85, 0.7 -> step 1
+    assert selection.training_domain_run({(0,): RUN}, 0) == {
+        "step": 1,
+        "val_acc": pytest.approx(0.85),
+        "test_acc": 0.60,
+    }
 
 
 def test_oracle_last_takes_last_step_and_oracle_best_any_step():
-  assert selection.oracle_last_run({(0,): RUN}, 0) == {"step": 2, "val_acc": .80,
-                                                       "test_acc": .70}
-  assert selection.oracle_best_run({(0,): RUN}, 0) == {"step": 0, "val_acc": .90,
-                                                       "test_acc": .50}
+    assert selection.oracle_last_run({(0,): RUN}, 0) == {
+        "step": 2,
+        "val_acc": 0.80,
+        "test_acc": 0.70,
+    }
+    assert selection.oracle_best_run({(0,): RUN}, 0) == {
+        "step": 0,
+        "val_acc": 0.90,
+        "test_acc": 0.50,
+    }
 
 
 def test_single_run_methods_ignore_pair_runs_and_need_the_single_run():
-  for run_selection in (selection.training_domain_run, selection.oracle_last_run,
-                        selection.oracle_best_run):
-    assert run_selection({(0, 1): RUN}, 0) is None
+    for run_selection in (
+        selection.training_domain_run,
+        selection.oracle_last_run,
+        selection.oracle_best_run,
+    ):
+        assert run_selection({(0, 1): RUN}, 0) is None
 
 
 def test_leave_one_out_by_hand():
-  # Pair run (0, 1) validates on env1's "in"; pair (0, 2) on env2's "in".
-  pair01 = [rec(0, env0_out_acc=0, env1_in_acc=.40, env2_out_acc=0, env1_out_acc=0),
-            rec(1, env0_out_acc=0, env1_in_acc=.60, env2_out_acc=0, env1_out_acc=0),
-            rec(2, env0_out_acc=0, env1_in_acc=.90, env2_out_acc=0, env1_out_acc=0)]
-  pair02 = [rec(0, env2_in_acc=.40), rec(1, env2_in_acc=.80)]  # no step 2
-  runs = {(0,): RUN, (0, 1): pair01, (0, 2): pair02}
-  # step 0: (.4 + .4) / 2 = .4; step 1: (.6 + .8) / 2 = .7; step 2 lacks pair (0, 2).
-  assert selection.leave_one_out_run(runs, 0) == {"step": 1, "val_acc": pytest.approx(.7),
-                                                  "test_acc": .60}
-  # Without every pair, no step qualifies.
-  assert selection.leave_one_out_run({(0,): RUN, (0, 1): pair01}, 0) is None
+    # Pair run (0, 1) validates on env1's "in"; pair (0, 2) on env2's "in".
+    pair01 = [
+        rec(0, env0_out_acc=0, env1_in_acc=0.40, env2_out_acc=0, env1_out_acc=0),
+        rec(1, env0_out_acc=0, env1_in_acc=0.60, env2_out_acc=0, env1_out_acc=0),
+        rec(2, env0_out_acc=0, env1_in_acc=0.90, env2_out_acc=0, env1_out_acc=0),
+    ]
+    pair02 = [rec(0, env2_in_acc=0.40), rec(1, env2_in_acc=0.80)]  # no step 2
+    runs = {(0,): RUN, (0, 1): pair01, (0, 2): pair02}
+    # step 0: (.4 + .4) / 2 = .4; step 1: (.6 + .8) / 2 = .7; step 2 lacks pair (0, 2).
+    assert selection.leave_one_out_run(runs, 0) == {
+        "step": 1,
+        "val_acc": pytest.approx(0.7),
+        "test_acc": 0.60,
+    }
+    # Without every pair, no step qualifies.
+    assert selection.leave_one_out_run({(0,): RUN, (0, 1): pair01}, 0) is None
 
 
 def test_in_domain_run_scores_training_envs_test_part():
-  run = [rec(0, env0_out_acc=.9, env1_out_acc=.5, env2_out_acc=.5,
-             env0_test_acc=.1, env1_test_acc=.2, env2_test_acc=.4),
-         rec(1, env0_out_acc=.1, env1_out_acc=.9, env2_out_acc=.7,
-             env0_test_acc=.3, env1_test_acc=.8, env2_test_acc=.6)]
-  assert selection.in_domain_run({(0,): run}, 0) == {"step": 1, "val_acc": pytest.approx(.8),
-                                                     "test_acc": pytest.approx(.7)}
+    run = [
+        rec(
+            0,
+            env0_out_acc=0.9,
+            env1_out_acc=0.5,
+            env2_out_acc=0.5,
+            env0_test_acc=0.1,
+            env1_test_acc=0.2,
+            env2_test_acc=0.4,
+        ),
+        rec(
+            1,
+            env0_out_acc=0.1,
+            env1_out_acc=0.9,
+            env2_out_acc=0.7,
+            env0_test_acc=0.3,
+            env1_test_acc=0.8,
+            env2_test_acc=0.6,
+        ),
+    ]
+    assert selection.in_domain_run({(0,): run}, 0) == {
+        "step": 1,
+        "val_acc": pytest.approx(0.8),
+        "test_acc": pytest.approx(0.7),
+    }
 
 
 def test_sweep_selection_picks_setting_by_validation_not_test():
-  good_val = [rec(0, env0_in_acc=.5, env0_out_acc=.6, env1_out_acc=.9)]
-  good_test = [rec(0, env0_in_acc=.9, env0_out_acc=.8, env1_out_acc=.8)]
-  settings = {"a": {(0,): good_test}, "b": {(0,): good_val}, "c": {(1,): good_val}}
-  chosen = selection.sweep_selection(selection.training_domain_run, settings, 0)
-  assert (chosen["setting"], chosen["test_acc"]) == ("b", .5)
-  chosen = selection.sweep_selection(selection.oracle_last_run, settings, 0)
-  assert (chosen["setting"], chosen["test_acc"]) == ("a", .9)
-  assert selection.sweep_selection(selection.training_domain_run, {"c": {(1,): good_val}},
-                                   0) is None
+    good_val = [rec(0, env0_in_acc=0.5, env0_out_acc=0.6, env1_out_acc=0.9)]
+    good_test = [rec(0, env0_in_acc=0.9, env0_out_acc=0.8, env1_out_acc=0.8)]
+    settings = {"a": {(0,): good_test}, "b": {(0,): good_val}, "c": {(1,): good_val}}
+    chosen = selection.sweep_selection(selection.training_domain_run, settings, 0)
+    assert (chosen["setting"], chosen["test_acc"]) == ("b", 0.5)
+    chosen = selection.sweep_selection(selection.oracle_last_run, settings, 0)
+    assert (chosen["setting"], chosen["test_acc"]) == ("a", 0.9)
+    assert (
+        selection.sweep_selection(selection.training_domain_run, {"c": {(1,): good_val}}, 0) is None
+    )
 
 
 def test_standard_error_is_domainbeds_population_std_over_sqrt_n():
-  cell = collect_results.mean_and_se([0.80, 0.84, 0.86], expected=3)
-  assert cell.mean == pytest.approx(83.3333333)
-  # deviations -3.333, 0.667, 2.667 -> var = (11.111 + 0.444 + 7.111) / 3 = 6.222
-  assert cell.se == pytest.approx(np.sqrt(6.2222222) / np.sqrt(3))
-  assert collect_results.format_cell(cell, latex=False) == "83.3 ± 1.4"
-  assert collect_results.format_cell(cell._replace(n=2), latex=True) == "83.3 $\\pm$ 1.4 (2/3)"
-  assert collect_results.format_cell(None, latex=False) == "-"
+    cell = collect_results.mean_and_se([0.80, 0.84, 0.86], expected=3)
+    assert cell.mean == pytest.approx(83.3333333)
+    # deviations -3.333, 0.667, 2.667 -> var = (11.111 + 0.444 + 7.111) / 3 = 6.222
+    assert cell.se == pytest.approx(np.sqrt(6.2222222) / np.sqrt(3))
+    assert collect_results.format_cell(cell, latex=False) == "83.3 ± 1.4"
+    assert collect_results.format_cell(cell._replace(n=2), latex=True) == "83.3 $\\pm$ 1.4 (2/3)"
+    assert collect_results.format_cell(None, latex=False) == "-"
 
 
 # --- the report of a synthetic sweep ---------------------------------------------
 
+
 def write_sweep(root):
-  with open(os.path.join(HERE, "golden_records.json")) as f:
-    runs = json.load(f)
-  for run in runs:
-    folder = os.path.join(root, run["path"])
-    os.makedirs(folder)
-    config = run["config"]
-    args = {"dataset": config["dataset"], "algorithm": config["algorithm"],
-            "test_envs": config["test_envs"], "trial_seed": config["trial_seed"],
-            "seed": config["seed"], "output_dir": folder}
-    hparams = {k: config[k] for k in ("lr", "weight_decay", "dropout", "rho", "alpha",
-                                      "mixstyle")}
-    with open(os.path.join(folder, "results.jsonl"), "w") as f:
-      for record in run["records"]:
-        f.write(json.dumps({**record, "args": args, "hparams": hparams, "config": config}) + "\n")
-    if run["done"]:
-      open(os.path.join(folder, "done"), "w").close()
-    if run["env_names"]:
-      with open(os.path.join(folder, "run_info.json"), "w") as f:
-        json.dump({"env_names": run["env_names"]}, f)
-  os.makedirs(os.path.join(root, "VLCS", "not_started_job"))
-  with open(os.path.join(root, "VLCS", "not_started_job", "args.json"), "w") as f:
-    f.write("{}")
+    with open(os.path.join(HERE, "golden_records.json")) as f:
+        runs = json.load(f)
+    for run in runs:
+        folder = os.path.join(root, run["path"])
+        os.makedirs(folder)
+        config = run["config"]
+        args = {
+            "dataset": config["dataset"],
+            "algorithm": config["algorithm"],
+            "test_envs": config["test_envs"],
+            "trial_seed": config["trial_seed"],
+            "seed": config["seed"],
+            "output_dir": folder,
+        }
+        hparams = {
+            k: config[k] for k in ("lr", "weight_decay", "dropout", "rho", "alpha", "mixstyle")
+        }
+        with open(os.path.join(folder, "results.jsonl"), "w") as f:
+            for record in run["records"]:
+                f.write(
+                    json.dumps({**record, "args": args, "hparams": hparams, "config": config})
+                    + "\n"
+                )
+        if run["done"]:
+            open(os.path.join(folder, "done"), "w").close()
+        if run["env_names"]:
+            with open(os.path.join(folder, "run_info.json"), "w") as f:
+                json.dump({"env_names": run["env_names"]}, f)
+    os.makedirs(os.path.join(root, "VLCS", "not_started_job"))
+    with open(os.path.join(root, "VLCS", "not_started_job", "args.json"), "w") as f:
+        f.write("{}")
 
 
 @pytest.fixture(scope="module")
 def sweep_dir(tmp_path_factory):
-  root = str(tmp_path_factory.mktemp("sweep"))
-  write_sweep(root)
-  return root
+    root = str(tmp_path_factory.mktemp("sweep"))
+    write_sweep(root)
+    return root
 
 
 @pytest.mark.parametrize("selection_name,latex", sorted(GOLDEN))
 def test_report_matches_golden(sweep_dir, selection_name, latex):
-  report = collect_results.build_report(sweep_dir, selection_name, latex)
-  path = os.path.join(HERE, GOLDEN[selection_name, latex])
-  if os.environ.get("UPDATE_GOLDEN"):
-    with open(path, "w") as f:
-      f.write(report)
-  with open(path) as f:
-    assert report == f.read()
+    report = collect_results.build_report(sweep_dir, selection_name, latex)
+    path = os.path.join(HERE, GOLDEN[selection_name, latex])
+    if os.environ.get("UPDATE_GOLDEN"):
+        with open(path, "w") as f:
+            f.write(report)
+    with open(path) as f:
+        assert report == f.read()
 
 
 def test_report_cells_follow_from_the_records(sweep_dir):
-  """One Table 1 cell recomputed here from the raw records, independently of the
-  grouping code: PACS / ERM under training-domain validation."""
-  with open(os.path.join(HERE, "golden_records.json")) as f:
-    runs = [r for r in json.load(f) if r["done"]]
-  per_seed = []
-  for seed in (0, 1, 2):
-    per_env = []
-    for env in (0, 1):
-      best = None  # (val, test) over both learning rates and all steps
-      for run in runs:
-        c = run["config"]
-        if (c["dataset"], c["algorithm"], c["test_envs"], c["trial_seed"], c["split"],
-            c["mixstyle"]) != ("PACS", "erm", [env], seed, "domainbed", False):
-          continue
-        for r in run["records"]:
-          val = np.mean([r[f"env{i}_out_acc"] for i in range(4) if i != env])
-          if best is None or val > best[0]:
-            best = (val, r[f"env{env}_in_acc"])
-      per_env.append(best[1])
-    per_seed.append(np.mean(per_env))
-  x = 100 * np.array(per_seed)
-  expected = f"| ERM | {x.mean():.1f} ± {x.std() / np.sqrt(3):.1f} |"
-  report = collect_results.build_report(sweep_dir, "training_domain")
-  assert expected in report
+    """One Table 1 cell recomputed here from the raw records, independently of the
+    grouping code: PACS / ERM under training-domain validation."""
+    with open(os.path.join(HERE, "golden_records.json")) as f:
+        runs = [r for r in json.load(f) if r["done"]]
+    per_seed = []
+    for seed in (0, 1, 2):
+        per_env = []
+        for env in (0, 1):
+            best = None  # (val, test) over both learning rates and all steps
+            for run in runs:
+                c = run["config"]
+                if (
+                    c["dataset"],
+                    c["algorithm"],
+                    c["test_envs"],
+                    c["trial_seed"],
+                    c["split"],
+                    c["mixstyle"],
+                ) != ("PACS", "erm", [env], seed, "domainbed", False):
+                    continue
+                for r in run["records"]:
+                    val = np.mean([r[f"env{i}_out_acc"] for i in range(4) if i != env])
+                    if best is None or val > best[0]:
+                        best = (val, r[f"env{env}_in_acc"])
+            per_env.append(best[1])
+        per_seed.append(np.mean(per_env))
+    x = 100 * np.array(per_seed)
+    expected = f"| ERM | {x.mean():.1f} ± {x.std() / np.sqrt(3):.1f} |"
+    report = collect_results.build_report(sweep_dir, "training_domain")
+    assert expected in report
 
 
 def test_report_marks_missing_seeds_and_lists_unfinished_runs(sweep_dir):
-  report = collect_results.build_report(sweep_dir, "training_domain")
-  table1 = report.split("### ")[1]
-  sam_row = next(line for line in table1.splitlines() if line.startswith("| SAM |"))
-  assert "(2/3)" in sam_row and "(partial)" in sam_row       # VLCS SAM lacks seed 2, env 1
-  mixstyle_row = next(line for line in table1.splitlines() if "MixStyle" in line)
-  assert mixstyle_row.endswith("| - | - |")                   # no VLCS runs: no average
-  assert "VLCS_domainbed_sagm_t0_s0_lr5e-05" in report and "not_started_job" in report
-  assert "test environments 0, 1 only, of 4" in report
+    report = collect_results.build_report(sweep_dir, "training_domain")
+    table1 = report.split("### ")[1]
+    sam_row = next(line for line in table1.splitlines() if line.startswith("| SAM |"))
+    assert "(2/3)" in sam_row and "(partial)" in sam_row  # VLCS SAM lacks seed 2, env 1
+    mixstyle_row = next(line for line in table1.splitlines() if "MixStyle" in line)
+    assert mixstyle_row.endswith("| - | - |")  # no VLCS runs: no average
+    assert "VLCS_domainbed_sagm_t0_s0_lr5e-05" in report and "not_started_job" in report
+    assert "test environments 0, 1 only, of 4" in report
 
 
 def test_leave_one_out_without_pairs_gives_no_entry(sweep_dir):
-  report = collect_results.build_report(sweep_dir, "leave_one_out")
-  table1 = report.split("### ")[1]
-  assert "| SAM | - | - | - |" in table1  # SAM has no pair runs
+    report = collect_results.build_report(sweep_dir, "leave_one_out")
+    table1 = report.split("### ")[1]
+    assert "| SAM | - | - | - |" in table1  # SAM has no pair runs
 
 
 def test_bad_input_names_the_problem(tmp_path):
-  with pytest.raises(FileNotFoundError, match="nowhere"):
-    collect_results.build_report(str(tmp_path / "nowhere"))
-  with pytest.raises(ValueError, match="no results.jsonl"):
-    collect_results.build_report(str(tmp_path))
-  write_sweep(str(tmp_path / "s"))
-  with pytest.raises(ValueError, match="'best'"):
-    collect_results.build_report(str(tmp_path / "s"), "best")
-  assert collect_results.main(["--input_dir", str(tmp_path / "nowhere")]) == 2
-  bad = tmp_path / "bad" / "run"
-  bad.mkdir(parents=True)
-  (bad / "results.jsonl").write_text("{not json\n")
-  with pytest.raises(ValueError, match="results.jsonl: not JSON lines"):
-    collect_results.build_report(str(tmp_path / "bad"))
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        collect_results.build_report(str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="no results.jsonl"):
+        collect_results.build_report(str(tmp_path))
+    write_sweep(str(tmp_path / "s"))
+    with pytest.raises(ValueError, match="'best'"):
+        collect_results.build_report(str(tmp_path / "s"), "best")
+    assert collect_results.main(["--input_dir", str(tmp_path / "nowhere")]) == 2
+    bad = tmp_path / "bad" / "run"
+    bad.mkdir(parents=True)
+    (bad / "results.jsonl").write_text("{not json\n")
+    with pytest.raises(ValueError, match="results.jsonl: not JSON lines"):
+        collect_results.build_report(str(tmp_path / "bad"))

@@ -14,34 +14,54 @@ from sagm_jax.config import mnist_config
 
 
 def test_sharpness_curves_of_a_finished_run(tmp_path):
-  config = mnist_config("RotatedDigits")
-  config.update(dict(batch_per_env=8, steps=3, eval_every=2, eval_batch_size=64,
-                     cnn_widths=(8, 16, 16, 16), test_envs=(2,)))
-  run_dir = tmp_path / "sweep" / "run0"
-  train.train_and_evaluate(config, str(run_dir))
-  rhos = [0.0, 0.05, 0.5]
-  assert sharpness_script.main(["--input_dir", str(tmp_path / "sweep"), "--output_dir",
-                                str(tmp_path / "out"), "--rhos", ",".join(map(str, rhos))]) == 0
-  with open(tmp_path / "out" / "sharpness.json") as f:
-    (entry,) = json.load(f)
-  assert entry["test_env"] == 2 and entry["env_name"] == "30" and entry["step"] == 3
-  assert entry["sharpness"][0] == 0.0
-  assert os.path.getsize(tmp_path / "out" / "sharpness.png") > 10_000
+    config = mnist_config("RotatedDigits")
+    config.update(
+        dict(
+            batch_per_env=8,
+            steps=3,
+            eval_every=2,
+            eval_batch_size=64,
+            cnn_widths=(8, 16, 16, 16),
+            test_envs=(2,),
+        )
+    )
+    run_dir = tmp_path / "sweep" / "run0"
+    train.train_and_evaluate(config, str(run_dir))
+    rhos = [0.0, 0.05, 0.5]
+    assert (
+        sharpness_script.main(
+            [
+                "--input_dir",
+                str(tmp_path / "sweep"),
+                "--output_dir",
+                str(tmp_path / "out"),
+                "--rhos",
+                ",".join(map(str, rhos)),
+            ]
+        )
+        == 0
+    )
+    with open(tmp_path / "out" / "sharpness.json") as f:
+        (entry,) = json.load(f)
+    assert entry["test_env"] == 2 and entry["env_name"] == "30" and entry["step"] == 3
+    assert entry["sharpness"][0] == 0.0
+    assert os.path.getsize(tmp_path / "out" / "sharpness.png") > 10_000
 
-  # Independently: full-batch loss of the whole target domain at w and at w + rho g/|g|.
-  _, dataset, model, state = sharpness_script.restore_run(str(run_dir), "latest")
-  env = 2
-  images = np.asarray(dataset.arrays.images[env], np.float32)
-  labels = np.asarray(dataset.arrays.labels[env], np.int32)
+    # Independently: full-batch loss of the whole target domain at w and at w + rho g/|g|.
+    _, dataset, model, state = sharpness_script.restore_run(str(run_dir), "latest")
+    env = 2
+    images = np.asarray(dataset.arrays.images[env], np.float32)
+    labels = np.asarray(dataset.arrays.labels[env], np.int32)
 
-  def loss(params):
-    logits = model.apply({"params": params}, images, train=False)
-    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels))
+    def loss(params):
+        logits = model.apply({"params": params}, images, train=False)
+        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels))
 
-  clean, g = jax.value_and_grad(loss)(state.params)
-  norm = jnp.sqrt(sum(jnp.sum(x ** 2) for x in jax.tree.leaves(g)))
-  shifted = jax.tree.map(lambda w, x: w + 0.5 * x / norm, state.params, g)
-  np.testing.assert_allclose(entry["loss"], float(clean), rtol=1e-5)
-  np.testing.assert_allclose(entry["sharpness"][2], float(loss(shifted) - clean), rtol=1e-3,
-                             atol=1e-5)
-  assert entry["sharpness"][2] > entry["sharpness"][1] > 0
+    clean, g = jax.value_and_grad(loss)(state.params)
+    norm = jnp.sqrt(sum(jnp.sum(x**2) for x in jax.tree.leaves(g)))
+    shifted = jax.tree.map(lambda w, x: w + 0.5 * x / norm, state.params, g)
+    np.testing.assert_allclose(entry["loss"], float(clean), rtol=1e-5)
+    np.testing.assert_allclose(
+        entry["sharpness"][2], float(loss(shifted) - clean), rtol=1e-3, atol=1e-5
+    )
+    assert entry["sharpness"][2] > entry["sharpness"][1] > 0

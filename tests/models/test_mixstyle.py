@@ -1,4 +1,5 @@
 """MixStyle: the mixing formula against NumPy, when it acts, its randomness, its gradient."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,8 +23,10 @@ def numpy_mixstyle(x, lam, perm, eps):
 def features(seed=0, shape=(6, 5, 4, 3)):
     # Channel-wise offsets and scales, so the per-example statistics differ.
     rng = np.random.default_rng(seed)
-    return (rng.standard_normal(shape) * rng.uniform(0.5, 3, (shape[0], 1, 1, shape[3]))
-            + rng.standard_normal((shape[0], 1, 1, shape[3]))).astype(np.float32)
+    return (
+        rng.standard_normal(shape) * rng.uniform(0.5, 3, (shape[0], 1, 1, shape[3]))
+        + rng.standard_normal((shape[0], 1, 1, shape[3]))
+    ).astype(np.float32)
 
 
 def test_mixing_matches_numpy():
@@ -31,8 +34,12 @@ def test_mixing_matches_numpy():
     lam = np.array([0.0, 1.0, 0.3, 0.9, 0.5, 0.01], np.float32)
     perm = np.array([3, 0, 5, 1, 2, 4])
     expected, _ = numpy_mixstyle(x, lam, perm, 1e-6)
-    np.testing.assert_allclose(mix_statistics(jnp.asarray(x), jnp.asarray(lam), jnp.asarray(perm), 1e-6),
-                               expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        mix_statistics(jnp.asarray(x), jnp.asarray(lam), jnp.asarray(perm), 1e-6),
+        expected,
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_layer_matches_numpy_with_its_own_draws():
@@ -57,9 +64,9 @@ def test_gradient_treats_statistics_as_constants():
     lam = np.array([0.2, 0.7, 0.4, 0.9, 0.5, 0.1], np.float32)
     perm = np.array([1, 2, 3, 4, 5, 0])
     weights = np.random.default_rng(3).standard_normal(x.shape).astype(np.float32)
-    grad = jax.grad(lambda v: jnp.sum(mix_statistics(v, jnp.asarray(lam), jnp.asarray(perm), 1e-6) * weights))(
-        jnp.asarray(x)
-    )
+    grad = jax.grad(
+        lambda v: jnp.sum(mix_statistics(v, jnp.asarray(lam), jnp.asarray(perm), 1e-6) * weights)
+    )(jnp.asarray(x))
     _, ratio = numpy_mixstyle(x, lam, perm, 1e-6)
     np.testing.assert_allclose(grad, weights * ratio, rtol=1e-5, atol=1e-6)
 
@@ -68,7 +75,9 @@ def test_identity_when_inactive_or_never_applied():
     x = jnp.asarray(features())
     layer = MixStyle(p=1.0)
     np.testing.assert_array_equal(layer.apply({}, x, active=False), x)  # needs no rng when off
-    np.testing.assert_array_equal(MixStyle(p=0.0).apply({}, x, active=True, rngs={"mixstyle": jax.random.PRNGKey(0)}), x)
+    np.testing.assert_array_equal(
+        MixStyle(p=0.0).apply({}, x, active=True, rngs={"mixstyle": jax.random.PRNGKey(0)}), x
+    )
 
 
 def test_deterministic_given_the_key_and_applied_with_probability_p():
@@ -76,7 +85,9 @@ def test_deterministic_given_the_key_and_applied_with_probability_p():
     layer = MixStyle(p=0.5)
     run = jax.jit(lambda key: layer.apply({}, x, active=True, rngs={"mixstyle": key}))
     np.testing.assert_array_equal(run(jax.random.PRNGKey(3)), run(jax.random.PRNGKey(3)))
-    applied = [not np.array_equal(run(key), x) for key in jax.random.split(jax.random.PRNGKey(0), 200)]
+    applied = [
+        not np.array_equal(run(key), x) for key in jax.random.split(jax.random.PRNGKey(0), 200)
+    ]
     # Binomial(200, 0.5): mean 100, standard deviation ~7; 60..140 is far beyond 5 sigma.
     assert 60 < sum(applied) < 140
 

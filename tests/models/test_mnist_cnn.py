@@ -1,4 +1,5 @@
 """DomainBed's MNIST CNN against an independent NumPy forward pass with torch's conventions."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,8 +53,10 @@ def test_forward_matches_numpy(channels):
     # Non-trivial GroupNorm affine parameters, so scale and bias are checked too.
     rng = np.random.default_rng(channels)
     for i in range(1, 5):
-        params[f"groupnorm{i}"] = {"scale": rng.uniform(0.5, 1.5, 128 if i > 1 else 64).astype(np.float32),
-                                   "bias": rng.normal(0, 0.1, 128 if i > 1 else 64).astype(np.float32)}
+        params[f"groupnorm{i}"] = {
+            "scale": rng.uniform(0.5, 1.5, 128 if i > 1 else 64).astype(np.float32),
+            "bias": rng.normal(0, 0.1, 128 if i > 1 else 64).astype(np.float32),
+        }
     with jax.default_matmul_precision("float32"):
         logits = model.apply({"params": params}, x, train=False)
     assert logits.shape == (3, 10)
@@ -64,7 +67,9 @@ def test_second_conv_halves_the_resolution():
     model = models.create("mnist_cnn", 2, input_channels=2)
     x = jnp.zeros((1, 28, 28, 2))
     variables = model.init(jax.random.PRNGKey(0), x, train=False)
-    _, state = model.apply(variables, x, train=False, capture_intermediates=True, mutable=["intermediates"])
+    _, state = model.apply(
+        variables, x, train=False, capture_intermediates=True, mutable=["intermediates"]
+    )
     shapes = [state["intermediates"][f"conv{i}"]["__call__"][0].shape for i in range(1, 5)]
     assert shapes == [(1, 28, 28, 64), (1, 14, 14, 128), (1, 14, 14, 128), (1, 14, 14, 128)]
 

@@ -4,6 +4,7 @@ Compiling a ResNet dominates the time of these tests, so the jitted functions an
 initialised variables are shared through module-scoped fixtures, and pure shape
 checks use ``jax.eval_shape`` (tracing only).
 """
+
 import functools
 
 import jax
@@ -21,7 +22,9 @@ NUM_CLASSES = 5
 @functools.lru_cache(maxsize=None)
 def fresh_variables(arch):
     model = models.create(arch, NUM_CLASSES)
-    return jax.jit(lambda key, x: model.init(key, x, train=False))(jax.random.PRNGKey(0), jnp.zeros((1, SIZE, SIZE, 3)))
+    return jax.jit(lambda key, x: model.init(key, x, train=False))(
+        jax.random.PRNGKey(0), jnp.zeros((1, SIZE, SIZE, 3))
+    )
 
 
 def pretrained(arch="resnet18", **kwargs):
@@ -48,7 +51,9 @@ def test_create_rejects_bad_mixstyle_stage():
 @pytest.mark.parametrize("arch, feature_size", [("resnet18", 512), ("resnet50", 2048)])
 def test_variables_and_logits_shape(arch, feature_size):
     model = models.create(arch, 7)
-    variables = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, SIZE, SIZE, 3)), train=False))
+    variables = jax.eval_shape(
+        lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, SIZE, SIZE, 3)), train=False)
+    )
     assert set(variables) == {"params", "batch_stats"}
     assert variables["params"]["classifier"]["kernel"].shape == (feature_size, 7)
     assert variables["params"]["conv1"]["kernel"].shape == (7, 7, 3, 64)
@@ -59,7 +64,9 @@ def test_variables_and_logits_shape(arch, feature_size):
 def test_wrong_channel_count_is_a_clear_error():
     model = models.create("resnet18", 7)
     with pytest.raises(ValueError, match="3 input channels"):
-        jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, SIZE, SIZE, 1)), train=False))
+        jax.eval_shape(
+            lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, SIZE, SIZE, 1)), train=False)
+        )
 
 
 def test_frozen_batchnorm_uses_running_stats_in_training_and_keeps_them():
@@ -74,7 +81,9 @@ def test_frozen_batchnorm_uses_running_stats_in_training_and_keeps_them():
     train_logits, updates, eval_logits = train_and_eval(variables, x)
     # With dropout off, training mode computes exactly what eval mode computes.
     np.testing.assert_allclose(train_logits, eval_logits, rtol=1e-6, atol=1e-6)
-    jax.tree_util.tree_map(np.testing.assert_array_equal, updates["batch_stats"], variables["batch_stats"])
+    jax.tree_util.tree_map(
+        np.testing.assert_array_equal, updates["batch_stats"], variables["batch_stats"]
+    )
 
 
 def test_frozen_batchnorm_scale_and_bias_are_trained():
@@ -82,7 +91,9 @@ def test_frozen_batchnorm_scale_and_bias_are_trained():
     x = images(batch=2)
 
     def loss(params):
-        logits = model.apply({"params": params, "batch_stats": variables["batch_stats"]}, x, train=True)
+        logits = model.apply(
+            {"params": params, "batch_stats": variables["batch_stats"]}, x, train=True
+        )
         return jnp.sum(logits**2)
 
     grads = jax.jit(jax.grad(loss))(variables["params"])
@@ -96,7 +107,9 @@ def test_trainable_batchnorm_uses_batch_stats_and_updates_running_stats():
 
     @jax.jit
     def train_and_eval(v, x):
-        _, state = model.apply(v, x, train=True, mutable=["batch_stats", "intermediates"], capture_intermediates=True)
+        _, state = model.apply(
+            v, x, train=True, mutable=["batch_stats", "intermediates"], capture_intermediates=True
+        )
         _, eval_state = model.apply(v, x, train=False, mutable=["batch_stats"])
         return state, eval_state
 
@@ -105,15 +118,23 @@ def test_trainable_batchnorm_uses_batch_stats_and_updates_running_stats():
     old = variables["batch_stats"]["bn1"]
     new = state["batch_stats"]["bn1"]
     # torch momentum 0.1: running = 0.9 * running + 0.1 * batch statistic
-    np.testing.assert_allclose(new["mean"], 0.9 * old["mean"] + 0.1 * stem.mean(axis=(0, 1, 2)), rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(new["var"], 0.9 * old["var"] + 0.1 * stem.var(axis=(0, 1, 2)), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        new["mean"], 0.9 * old["mean"] + 0.1 * stem.mean(axis=(0, 1, 2)), rtol=1e-4, atol=1e-5
+    )
+    np.testing.assert_allclose(
+        new["var"], 0.9 * old["var"] + 0.1 * stem.var(axis=(0, 1, 2)), rtol=1e-4, atol=1e-5
+    )
     # In training the stem BN normalises with the batch statistics.
     bn_out = np.asarray(state["intermediates"]["bn1"]["__call__"][0])
     scale, bias = variables["params"]["bn1"]["scale"], variables["params"]["bn1"]["bias"]
-    expected = (stem - stem.mean(axis=(0, 1, 2))) / np.sqrt(stem.var(axis=(0, 1, 2)) + 1e-5) * scale + bias
+    expected = (stem - stem.mean(axis=(0, 1, 2))) / np.sqrt(
+        stem.var(axis=(0, 1, 2)) + 1e-5
+    ) * scale + bias
     np.testing.assert_allclose(bn_out, expected, rtol=1e-4, atol=1e-4)
     # In evaluation the running statistics are used and nothing changes.
-    jax.tree_util.tree_map(np.testing.assert_array_equal, eval_state["batch_stats"], variables["batch_stats"])
+    jax.tree_util.tree_map(
+        np.testing.assert_array_equal, eval_state["batch_stats"], variables["batch_stats"]
+    )
 
 
 def test_dropout_acts_only_in_training_and_follows_its_key():
@@ -122,7 +143,9 @@ def test_dropout_acts_only_in_training_and_follows_its_key():
 
     @jax.jit
     def run(key):
-        return model.apply(variables, x, train=True, rngs={"dropout": key}), model.apply(variables, x, train=False)
+        return model.apply(variables, x, train=True, rngs={"dropout": key}), model.apply(
+            variables, x, train=False
+        )
 
     train_0, eval_logits = run(jax.random.PRNGKey(0))
     again_0, eval_again = run(jax.random.PRNGKey(0))
@@ -137,18 +160,29 @@ def test_with_pretrained_backbone_keeps_fresh_head_and_replaces_backbone():
     fresh = fresh_variables("resnet18")
     converted = models.convert_torchvision(draw_torchvision_weights("resnet18", seed=3))
     merged = models.with_pretrained_backbone(fresh, converted)
-    np.testing.assert_array_equal(merged["params"]["classifier"]["kernel"], fresh["params"]["classifier"]["kernel"])
-    np.testing.assert_array_equal(merged["params"]["layer2_0"]["downsample_conv"]["kernel"],
-                                  converted["params"]["layer2_0"]["downsample_conv"]["kernel"])
-    np.testing.assert_array_equal(merged["batch_stats"]["layer3_1"]["bn2"]["var"],
-                                  converted["batch_stats"]["layer3_1"]["bn2"]["var"])
+    np.testing.assert_array_equal(
+        merged["params"]["classifier"]["kernel"], fresh["params"]["classifier"]["kernel"]
+    )
+    np.testing.assert_array_equal(
+        merged["params"]["layer2_0"]["downsample_conv"]["kernel"],
+        converted["params"]["layer2_0"]["downsample_conv"]["kernel"],
+    )
+    np.testing.assert_array_equal(
+        merged["batch_stats"]["layer3_1"]["bn2"]["var"],
+        converted["batch_stats"]["layer3_1"]["bn2"]["var"],
+    )
 
 
 def test_with_pretrained_backbone_rejects_the_wrong_architecture_naming_entries():
     model = models.create("resnet50", NUM_CLASSES)
-    shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, SIZE, SIZE, 3)), train=False))
+    shapes = jax.eval_shape(
+        lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, SIZE, SIZE, 3)), train=False)
+    )
     fresh = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), shapes)
     converted = models.convert_torchvision(draw_torchvision_weights("resnet18", seed=3))
-    with pytest.raises(ValueError, match=r"missing from the converted weights: .*layer1_0/bn3/mean.*"
-                                         r"mis-shaped: .*params/layer1_0/conv1/kernel: converted \(3, 3, 64, 64\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"missing from the converted weights: .*layer1_0/bn3/mean.*"
+        r"mis-shaped: .*params/layer1_0/conv1/kernel: converted \(3, 3, 64, 64\)",
+    ):
         models.with_pretrained_backbone(fresh, converted)

@@ -4,6 +4,7 @@ The weights and images are regenerated from sagm_jax.models.synthetic, the same
 code the golden script used; the golden logits come from torchvision's resnet18
 and resnet50 in eval mode. No torch is needed here.
 """
+
 import os
 
 import jax

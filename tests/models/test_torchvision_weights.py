@@ -1,4 +1,5 @@
 """Weight files and the strict mapping of torchvision keys onto our variables."""
+
 import hashlib
 import sys
 
@@ -25,13 +26,20 @@ def test_layout_counts_match_torchvision():
 
 def test_conversion_transposes_layouts(resnet18_weights):
     converted = models.convert_torchvision(resnet18_weights)
-    np.testing.assert_array_equal(converted["params"]["conv1"]["kernel"],
-                                  resnet18_weights["conv1.weight"].transpose(2, 3, 1, 0))
-    np.testing.assert_array_equal(converted["params"]["classifier"]["kernel"], resnet18_weights["fc.weight"].T)
-    np.testing.assert_array_equal(converted["batch_stats"]["layer4_0"]["downsample_bn"]["var"],
-                                  resnet18_weights["layer4.0.downsample.1.running_var"])
-    np.testing.assert_array_equal(converted["params"]["layer1_1"]["bn2"]["scale"],
-                                  resnet18_weights["layer1.1.bn2.weight"])
+    np.testing.assert_array_equal(
+        converted["params"]["conv1"]["kernel"],
+        resnet18_weights["conv1.weight"].transpose(2, 3, 1, 0),
+    )
+    np.testing.assert_array_equal(
+        converted["params"]["classifier"]["kernel"], resnet18_weights["fc.weight"].T
+    )
+    np.testing.assert_array_equal(
+        converted["batch_stats"]["layer4_0"]["downsample_bn"]["var"],
+        resnet18_weights["layer4.0.downsample.1.running_var"],
+    )
+    np.testing.assert_array_equal(
+        converted["params"]["layer1_1"]["bn2"]["scale"], resnet18_weights["layer1.1.bn2.weight"]
+    )
 
 
 def test_num_batches_tracked_is_ignored(resnet18_weights):
@@ -53,13 +61,20 @@ def test_unexpected_key_is_named(resnet18_weights):
 
 
 def test_misshaped_key_is_named(resnet18_weights):
-    weights = dict(resnet18_weights, **{"layer2.0.conv2.weight": np.zeros((128, 128, 1, 1), np.float32)})
-    with pytest.raises(ValueError, match=r"layer2\.0\.conv2\.weight has shape \(128, 128, 1, 1\), expected \(128, 128, 3, 3\)"):
+    weights = dict(
+        resnet18_weights, **{"layer2.0.conv2.weight": np.zeros((128, 128, 1, 1), np.float32)}
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"layer2\.0\.conv2\.weight has shape \(128, 128, 1, 1\), expected \(128, 128, 3, 3\)",
+    ):
         models.convert_torchvision(weights)
 
 
 def test_wrong_arch_names_keys(resnet18_weights):
-    with pytest.raises(ValueError, match=r"torchvision resnet50: missing keys .*layer1\.0\.conv3\.weight"):
+    with pytest.raises(
+        ValueError, match=r"torchvision resnet50: missing keys .*layer1\.0\.conv3\.weight"
+    ):
         models.convert_torchvision(resnet18_weights, arch="resnet50")
 
 
