@@ -31,7 +31,6 @@ import orbax.checkpoint as ocp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import sagm_jax  # noqa: E402
-from sagm_jax import data as data_lib  # noqa: E402
 from sagm_jax import train  # noqa: E402
 from sagm_jax.train_step import create_train_state, per_example_cross_entropy  # noqa: E402
 
@@ -57,16 +56,7 @@ def restore_run(workdir: str, checkpoint: str):
     """The run's config, dataset, model and restored train state."""
     with open(os.path.join(workdir, "config.json")) as f:
         config = ml_collections.ConfigDict(json.load(f))
-    dataset = data_lib.load(
-        config.dataset,
-        config.data_dir or None,
-        trial_seed=config.trial_seed,
-        holdout_fraction=config.holdout_fraction,
-        split=config.split,
-        skip_bad_files=config.skip_bad_files,
-        data_seed=config.seed,
-        image_size=config.image_size,
-    )
+    dataset = train.dataset_from_config(config)
     model, variables, _ = train.model_from_config(
         config, dataset, jax.random.key(0), pretrained=False
     )

@@ -61,6 +61,20 @@ def optimizer_from_config(config: ml_collections.ConfigDict, axis_name=None):
     )
 
 
+def dataset_from_config(config: ml_collections.ConfigDict):
+    """The run's dataset, opened and split as the config says."""
+    return data_lib.load(
+        config.dataset,
+        config.data_dir or None,
+        trial_seed=config.trial_seed,
+        holdout_fraction=config.holdout_fraction,
+        split=config.split,
+        skip_bad_files=config.skip_bad_files,
+        data_seed=config.seed,
+        image_size=config.image_size,
+    )
+
+
 def model_from_config(config, dataset, key, pretrained: bool = True):
     """The network and its variables, with the pretrained backbone of
     ``config.pretrained_weights`` unless ``pretrained=False`` (the caller restores
@@ -191,16 +205,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
         print_summary(records, list(config.test_envs))
         return records
 
-    dataset = data_lib.load(
-        config.dataset,
-        config.data_dir or None,
-        trial_seed=config.trial_seed,
-        holdout_fraction=config.holdout_fraction,
-        split=config.split,
-        skip_bad_files=config.skip_bad_files,
-        data_seed=config.seed,
-        image_size=config.image_size,
-    )
+    dataset = dataset_from_config(config)
     n_envs = len(dataset.env_names)
     test_envs = [int(e) for e in config.test_envs]
     if not test_envs or any(not 0 <= e < n_envs for e in test_envs):
@@ -425,15 +430,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Any:
     """Runs ``config.test_envs``, or every environment in turn with ``config.all_test_envs``."""
     if not config.all_test_envs:
         return run(config, workdir)
-    n_envs = len(
-        data_lib.load(
-            config.dataset,
-            config.data_dir or None,
-            trial_seed=config.trial_seed,
-            data_seed=config.seed,
-            image_size=config.image_size,
-        ).env_names
-    )
+    n_envs = len(dataset_from_config(config).env_names)
     table = {}
     for env in range(n_envs):
         env_config = ml_collections.ConfigDict(config.to_dict())
