@@ -44,6 +44,13 @@ def main(argv):
     from sagm_jax import train
 
     train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    if _DISTRIBUTED.value:
+        # Leave together: a process that exits while another still talks to the
+        # coordinator (process 0) makes that one abort.
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("sagm_jax.main finished")
+        jax.distributed.shutdown()
 
 
 if __name__ == "__main__":

@@ -362,7 +362,13 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
                     validation = _validation(record, train_envs)
                     if validation > best_validation:
                         best_validation = validation
+                        if jax.process_count() > 1:
+                            # Two managers' asynchronous saves at once can deadlock
+                            # their cross-process barriers: one at a time.
+                            latest.wait_until_finished()
                         best.save(t + 1, args=ocp.args.StandardSave(state))
+                        if jax.process_count() > 1:
+                            best.wait_until_finished()
                 loss_sum, loss_count = jnp.zeros([], jnp.float32), 0
     finally:  # a pending asynchronous save completes even when the loop fails
         progress.close()
