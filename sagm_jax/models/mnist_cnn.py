@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-from sagm_jax.models.resnet import torch_linear_init
+from sagm_jax.models.resnet import check_images, torch_linear_init
 
 GROUPNORM_GROUPS = 8
 GROUPNORM_EPS = 1e-5
@@ -51,13 +51,7 @@ class MnistCNN(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, train: bool, mixstyle: bool = False) -> jax.Array:
         """Logits [B, num_classes] for NHWC images ``x``; ``mixstyle`` is accepted and ignored."""
-        if x.ndim != 4:
-            raise ValueError(f"MnistCNN expects NHWC images of rank 4, got shape {x.shape}")
-        if x.shape[-1] != self.input_channels:
-            raise ValueError(
-                f"MnistCNN built for {self.input_channels} input channels got images of shape "
-                f"{x.shape} (NHWC expected)"
-            )
+        check_images(x, self.input_channels, "MnistCNN")
         if len(self.widths) != len(CONV_LAYERS) or any(w % GROUPNORM_GROUPS for w in self.widths):
             raise ValueError(
                 f"MnistCNN widths must be {len(CONV_LAYERS)} multiples of "

@@ -60,6 +60,17 @@ MIXSTYLE_STAGES = (1, 2, 3)
 conv_init = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
 
 
+def check_images(x: jax.Array, input_channels: int, network: str) -> None:
+    """Rejects anything but NHWC images with ``input_channels`` channels, naming the shape."""
+    if x.ndim != 4:
+        raise ValueError(f"{network} expects NHWC images of rank 4, got shape {x.shape}")
+    if x.shape[-1] != input_channels:
+        raise ValueError(
+            f"{network} built for {input_channels} input channels got images of shape "
+            f"{x.shape} (NHWC expected)"
+        )
+
+
 def torch_linear_init(fan_in: int):
     """torch.nn.Linear's default init, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), for kernel and bias."""
     bound = 1.0 / math.sqrt(fan_in)
@@ -163,13 +174,7 @@ class ResNet(nn.Module):
         ``mixstyle`` switches the MixStyle layers on for this call; they act only
         when ``train`` is also true (and are absent when ``mixstyle_after`` is empty).
         """
-        if x.ndim != 4:
-            raise ValueError(f"ResNet expects NHWC images of rank 4, got shape {x.shape}")
-        if x.shape[-1] != self.input_channels:
-            raise ValueError(
-                f"ResNet built for {self.input_channels} input channels got images of shape "
-                f"{x.shape} (NHWC expected)"
-            )
+        check_images(x, self.input_channels, "ResNet")
         block_kind, stage_sizes = ARCHITECTURES[self.arch]
         block_class = BasicBlock if block_kind == "basic" else Bottleneck
         use_running_average = self.freeze_batchnorm or not train
