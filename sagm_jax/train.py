@@ -37,6 +37,8 @@ from tqdm import tqdm
 
 from sagm_jax import data as data_lib
 from sagm_jax import models
+from sagm_jax.data import device_augment
+from sagm_jax.data.pipeline import prefetch_to_mesh
 from sagm_jax.config import validate
 from sagm_jax.optimizers import paper_optimizer
 from sagm_jax.selection import training_domain_validation
@@ -61,9 +63,12 @@ def optimizer_from_config(config: ml_collections.ConfigDict, axis_name=None):
     )
 
 
-def dataset_from_config(config: ml_collections.ConfigDict):
-    """The run's dataset, opened and split as the config says."""
-    return data_lib.load(
+def dataset_from_config(config: ml_collections.ConfigDict, *, open_images: bool = True):
+    """The run's dataset, opened and split as the config says. An image folder with
+    ``config.input='device'`` is served from its decoded store (built on first use;
+    ``open_images=False`` skips that, for callers that only need the split)."""
+    cache_dir = config.cache_dir or None
+    dataset = data_lib.load(
         config.dataset,
         config.data_dir or None,
         trial_seed=config.trial_seed,
@@ -72,7 +77,23 @@ def dataset_from_config(config: ml_collections.ConfigDict):
         skip_bad_files=config.skip_bad_files,
         data_seed=config.seed,
         image_size=config.image_size,
+        **({"cache_dir": os.path.join(cache_dir, "verified")} if cache_dir else {}),
     )
+    if open_images and dataset.folder is not None and config.input == "device":
+        from sagm_jax.data import store
+
+        dataset.attach_source(
+            store.open_source(
+                dataset.folder,
+                image_size=config.image_size,
+                short_side=config.store_short_side,
+                mode=config.image_store,
+                budget_gb=config.store_budget_gb,
+                cache_dir=cache_dir,
+                progress=jax.process_index() == 0,
+            )
+        )
+    return dataset
 
 
 def model_from_config(config, dataset, key, pretrained: bool = True):
@@ -147,8 +168,47 @@ def _check_same_config(workdir: str, config_dict: dict) -> None:
         )
 
 
-def make_eval_step(model, compute_dtype):
+def make_steps(config, model, optimizer, mesh):
+    """The run's jitted ``train_step(state, batch, key)`` and ``eval_step(params,
+    batch_stats, batch)``. The data-parallel mode is decided here: 'global' is one
+    jitted program over the sharded batch; 'per_device' (m-sharpness) runs the step
+    per device under ``shard_map``. Both start with ``device_augment.model_inputs``,
+    which augments uint8 image-folder batches on the device."""
+    compute_dtype = jnp.dtype(config.compute_dtype)
+    step_fn = make_train_step(
+        model,
+        optimizer,
+        algorithm=config.algorithm,
+        use_mixstyle=config.mixstyle,
+        train_batchnorm=not config.freeze_batchnorm,
+        shared_dropout=config.shared_dropout,
+        compute_dtype=compute_dtype,
+        axis_name="batch" if config.perturbation == "per_device" else None,
+    )
+    if config.perturbation == "per_device":
+        # m-sharpness: each device differentiates its own shard (check_vma=False keeps
+        # gradients of replicated parameters local, as under pmap).
+        step_fn = jax.shard_map(
+            step_fn,
+            mesh=mesh,
+            in_specs=(P(), P("batch"), P()),
+            out_specs=(P(), P()),
+            check_vma=False,
+        )
+
+    def train_step(state, batch, key):
+        batch = device_augment.model_inputs(batch, config.seed, state.step, config.image_size)
+        return step_fn(state, batch, key)
+
+    eval_step = make_eval_step(model, compute_dtype, config.seed, config.image_size)
+    return jax.jit(train_step, donate_argnums=0), eval_step
+
+
+def make_eval_step(model, compute_dtype, seed: int = 0, image_size: int = 224):
     def eval_step(params, batch_stats, batch):
+        batch = device_augment.model_inputs(
+            batch, seed, 0, image_size, stream=device_augment.EVAL_STREAM
+        )
         variables = {"params": jax.tree.map(lambda p: p.astype(compute_dtype), params)}
         if batch_stats:
             variables["batch_stats"] = batch_stats
@@ -165,14 +225,15 @@ def evaluate(eval_step, state, dataset, mesh, config, train_envs) -> dict:
     for env in range(len(dataset.env_names)):
         for part in dataset.splits[env]:
             augment = config.augment_validation and part == "out" and env in train_envs
-            correct = total = 0
-            for batch in dataset.eval_iterator(
+            batches = dataset.eval_iterator(
                 env, part, batch_size=config.eval_batch_size, augment=augment, seed=config.seed
-            ):
-                c, n = eval_step(
-                    state.params, state.batch_stats, data_lib.to_global_batch(batch, mesh)
-                )
-                correct, total = correct + int(c), total + int(n)
+            )
+            counts = [
+                eval_step(state.params, state.batch_stats, batch)
+                for batch in prefetch_to_mesh(batches, mesh)
+            ]
+            correct = sum(int(c) for c, _ in counts)
+            total = sum(int(n) for _, n in counts)
             accuracies[f"env{env}_{part}_acc"] = correct / total if total else float("nan")
     return accuracies
 
@@ -260,29 +321,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
             )
     replicated = NamedSharding(mesh, P())
     optimizer = optimizer_from_config(config, axis_name="batch")
-    compute_dtype = jnp.dtype(config.compute_dtype)
-    step_fn = make_train_step(
-        model,
-        optimizer,
-        algorithm=config.algorithm,
-        use_mixstyle=config.mixstyle,
-        train_batchnorm=not config.freeze_batchnorm,
-        shared_dropout=config.shared_dropout,
-        compute_dtype=compute_dtype,
-        axis_name="batch" if config.perturbation == "per_device" else None,
-    )
-    if config.perturbation == "per_device":
-        # m-sharpness: each device differentiates its own shard (check_vma=False keeps
-        # gradients of replicated parameters local, as under pmap).
-        step_fn = jax.shard_map(
-            step_fn,
-            mesh=mesh,
-            in_specs=(P(), P("batch"), P()),
-            out_specs=(P(), P()),
-            check_vma=False,
-        )
-    train_step = jax.jit(step_fn, donate_argnums=0)
-    eval_step = make_eval_step(model, compute_dtype)
+    train_step, eval_step = make_steps(config, model, optimizer, mesh)
     state = jax.device_put(create_train_state(variables, optimizer), replicated)
 
     latest, best = _checkpoint_managers(workdir) if config.checkpoint else (None, None)
@@ -298,8 +337,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
     best_validation = max((_validation(r, train_envs) for r in records), default=-1.0)
 
     writer = _metric_writer(workdir, is_main)
-    batches = dataset.train_iterator(
-        train_envs, seed=config.seed, batch_per_env=config.batch_per_env, start_step=start
+    batches = prefetch_to_mesh(
+        dataset.train_iterator(
+            train_envs, seed=config.seed, batch_per_env=config.batch_per_env, start_step=start
+        ),
+        mesh,
     )
     loss_sum, loss_count = jnp.zeros([], jnp.float32), 0
     progress = tqdm(
@@ -307,9 +349,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
     )
     try:
         for t in range(start, config.steps):
-            state, metrics = train_step(
-                state, data_lib.to_global_batch(next(batches), mesh), step_key
-            )
+            state, metrics = train_step(state, next(batches), step_key)
             loss_sum, loss_count = loss_sum + metrics["loss"], loss_count + 1
             progress.update(1)
             if t % config.log_every == 0:
@@ -404,8 +444,24 @@ def _stop_non_finite(workdir, step, loss, latest):
     )
 
 
+class _NoTensorBoard:
+    """Stands in for clu's writer where TensorFlow (which clu's writer needs) is not
+    installed: results.jsonl and the progress bar carry the same numbers."""
+
+    def write_scalars(self, step, scalars):
+        del step, scalars
+
+    def flush(self):
+        pass
+
+
 def _metric_writer(workdir: str, is_main: bool):
-    from sagm_jax.data import tf_input  # noqa: F401  keeps TensorFlow off accelerators
+    try:
+        from sagm_jax.data import tf_input  # noqa: F401  keeps TensorFlow off accelerators
+    except ImportError:
+        if is_main:
+            print("TensorFlow is not installed: no TensorBoard scalars (results.jsonl has them).")
+        return _NoTensorBoard()
     from clu import metric_writers
 
     return metric_writers.create_default_writer(workdir, just_logging=not is_main)
@@ -436,7 +492,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Any:
     """Runs ``config.test_envs``, or every environment in turn with ``config.all_test_envs``."""
     if not config.all_test_envs:
         return run(config, workdir)
-    n_envs = len(dataset_from_config(config).env_names)
+    n_envs = len(dataset_from_config(config, open_images=False).env_names)
     table = {}
     for env in range(n_envs):
         env_config = ml_collections.ConfigDict(config.to_dict())

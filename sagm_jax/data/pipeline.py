@@ -20,15 +20,26 @@ batches of ``batch_size``, and ``'mask'`` is False on the padding. Each host tak
 same column block ``[p*b/P, (p+1)*b/P)`` of every batch, so all hosts yield the same
 number of batches.
 
-Image folders go through tf.data (``tf_input.py``); the in-memory datasets are
+Image folders take one of two paths. The default (``attach_source``): images decoded
+once (``store.py``); the host only gathers uint8 rows, training batches carry
+``{'image': uint8 canvases, 'hw', 'label', 'position'}`` and the augmentation runs on
+the accelerator (``device_augment.py``, keyed by the example's position in the global
+batch); evaluation batches carry the cached uint8 224x224 evaluation images. The other
+(no source attached): tf.data on the host (``tf_input.py``). The in-memory datasets are
 indexed in NumPy and are not augmented.
+
+``prefetch_to_mesh`` places the next batches on the mesh from a background thread
+while the current step runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import math
+import queue
+import threading
 from typing import Iterator
 
 import numpy as np
@@ -83,6 +94,45 @@ def to_global_batch(batch: dict, mesh, axis: str = "batch") -> dict:
     }
 
 
+def prefetch_to_mesh(batches: Iterator[dict], mesh, depth: int = 2) -> Iterator[dict]:
+    """``to_global_batch`` of each host batch, ``depth`` batches ahead, from a
+    background thread (gathering rows and the host-to-device copy overlap the step).
+    An exception in the thread is raised here, at the batch where it happened."""
+    slots: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def produce():
+        try:
+            for batch in batches:
+                item = to_global_batch(batch, mesh)
+                while not stop.is_set():
+                    try:
+                        slots.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+        except BaseException as e:  # handed to the consumer, raised there
+            slots.put(e)
+            return
+        slots.put(done)
+
+    thread = threading.Thread(target=produce, daemon=True, name="prefetch_to_mesh")
+    thread.start()
+    try:
+        while True:
+            item = slots.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+
+
 @dataclasses.dataclass
 class DomainBedData:
     """An opened dataset, split for one trial seed.
@@ -104,6 +154,7 @@ class DomainBedData:
     split_kind: str
     folder: object = None  # image_folder.FolderIndex for folder datasets
     arrays: object = None  # mnist.ArraySource for in-memory datasets
+    source: object = None  # store.ImageStore / StreamingSource: the device input path
 
     # ---- construction -------------------------------------------------------------
     @staticmethod
@@ -165,6 +216,17 @@ class DomainBedData:
             arrays=source,
         )
 
+    def attach_source(self, source) -> None:
+        """Serve this folder dataset from ``source`` (``store.open_source``): uint8
+        batches for the device augmentation instead of tf.data (module doc)."""
+        if self.folder is None:
+            raise ValueError(f"{self.name} is an in-memory dataset; only image folders take a source.")
+        self.source = source
+
+    @property
+    def flat_labels(self) -> np.ndarray:
+        return np.concatenate(self.folder.labels).astype(np.int32)
+
     # ---- facts --------------------------------------------------------------------
     @property
     def env_sizes(self) -> list[int]:
@@ -203,13 +265,15 @@ class DomainBedData:
         lo, hi = host_rows(batch_per_env * len(train_envs), p, n_proc)
         in_splits = [self.splits[e]["in"] for e in train_envs]
         if self.folder is not None:
-            from sagm_jax.data import tf_input
-
             offsets = np.cumsum([0] + self.env_sizes)
 
             def sampler(step):
                 picks = sample_train_indices(seed, step, in_splits, batch_per_env)
                 return np.concatenate([offsets[e] + k for e, k in zip(train_envs, picks)])[lo:hi]
+
+            if self.source is not None:
+                return self._source_train(sampler, start_step, lo, hi)
+            from sagm_jax.data import tf_input
 
             ds = tf_input.train_dataset(
                 self.folder,
@@ -222,6 +286,13 @@ class DomainBedData:
             )
             return ds.as_numpy_iterator()
         return self._array_train(train_envs, in_splits, seed, batch_per_env, start_step, lo, hi)
+
+    def _source_train(self, sampler, start_step, lo, hi):
+        labels, position = self.flat_labels, np.arange(lo, hi, dtype=np.int32)
+        for step in itertools.count(start_step):
+            ids = sampler(step)
+            images, hw = self.source.gather(ids)
+            yield {"image": images, "hw": hw, "label": labels[ids], "position": position}
 
     def _array_train(self, train_envs, in_splits, seed, batch_per_env, start_step, lo, hi):
         step = start_step
@@ -254,10 +325,12 @@ class DomainBedData:
         p, n_proc = _processes(process_index, process_count)
         position, mask = eval_layout(len(indices), batch_size, p, n_proc)
         if self.folder is not None:
-            from sagm_jax.data import tf_input
-
             offset = int(np.sum(self.env_sizes[:env]))
             ids = offset + indices[position] if len(indices) else position
+            if self.source is not None:
+                return self._source_eval(ids, mask, position, augment)
+            from sagm_jax.data import tf_input
+
             ds = tf_input.eval_dataset(
                 self.folder,
                 ids,
@@ -269,6 +342,19 @@ class DomainBedData:
             )
             return ds.as_numpy_iterator()
         return self._array_eval(env, indices, position, mask)
+
+    def _source_eval(self, ids, mask, position, augment):
+        """Evaluation images from the cache; with ``augment``, canvases for the device
+        augmentation keyed by the example's position in the split."""
+        labels = self.flat_labels
+        for row_ids, row_mask, row_position in zip(ids, mask, position):
+            batch = {"label": labels[row_ids], "mask": row_mask}
+            if augment:
+                batch["image"], batch["hw"] = self.source.gather(row_ids)
+                batch["position"] = row_position.astype(np.int32)
+            else:
+                batch["image"] = self.source.eval_images(row_ids)
+            yield batch
 
     def _array_eval(self, env, indices, position, mask):
         for pos, m in zip(position, mask):

@@ -1,0 +1,224 @@
+"""One command for the figures of a machine: step times, device augmentation, a real loop.
+
+    python experiments/device_report.py [--sections steps augment loop] [--json OUT.json]
+
+Runs on any machine JAX runs on (CPU, one GPU, ...) and needs only JAX, flax, optax,
+orbax-checkpoint, NumPy, Pillow, tqdm and ml-collections (a pure-Python wheel): no
+TensorFlow. Defaults are the paper's setting: ResNet-50 at 224x224, batch 96 (32 per
+training domain x 3).
+
+- ``steps``: ERM, SAM, GSAM and SAGM train-step times in float32 and bfloat16 on a
+  constant batch (``bench_train_step.bench_setup``: the jitted step training uses,
+  algorithms interleaved per round): ms/step, img/s, SAGM/SAM, SAGM/ERM, and the
+  compiled step's peak memory (XLA's buffer plan).
+- ``augment``: ``device_augment.augment_batch`` alone on batches of uint8 canvases
+  (227x227 as PACS, 320x427 as a capped photo): img/s, and its time as a fraction of
+  the SAGM step on the same batch size.
+- ``loop``: a PACS-like folder (4 domains x 7 classes of 227x227 JPEGs, written
+  here) opened as training opens it (``train.dataset_from_config``: the decoded
+  store, built once and timed), then ``--loop_steps`` steps of the real loop
+  (``train_iterator`` -> ``prefetch_to_mesh`` -> ``make_steps``' jitted step with the
+  device augmentation; the loss read every 10 steps as the run loop does), against
+  the same step on one constant batch already on the device, in alternating
+  chunks. Input-bound fraction = loop steps/s / constant-batch steps/s. Also: seconds
+  per evaluation pass over every split of the folder (``train.evaluate``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from experiments import bench_input, bench_train_step  # noqa: E402
+from sagm_jax.data import device_augment  # noqa: E402
+
+ALGORITHMS = bench_train_step.ALGORITHMS
+
+
+def device_line() -> str:
+    d = jax.devices()[0]
+    return (
+        f"{d.platform}: {d.device_kind} x{jax.device_count()}; host {platform.machine()}, "
+        f"{os.cpu_count()} CPUs; jax {jax.__version__}"
+    )
+
+
+def section_steps(args, report):
+    name = "device report"
+    bench_train_step.SETUPS[name] = (
+        args.arch,
+        {"dropout_rate": 0.5},
+        (args.image_size, args.image_size, 3),
+        args.batch,
+    )
+    print(f"\n## Train step: {args.arch} {args.image_size}x{args.image_size}, batch {args.batch}")
+    print("| dtype | algorithm | ms/step | img/s | vs ERM | peak MiB |")
+    print("|---|---|---|---|---|---|")
+    for dtype in args.dtypes:
+        results = bench_train_step.bench_setup(name, args.rounds, args.steps, args.batch, dtype)
+        erm = results["erm"][0]
+        for algorithm, (seconds, peak) in results.items():
+            peak_text = "n/a" if peak is None else f"{peak / 2**20:,.0f}"
+            print(
+                f"| {dtype} | {algorithm} | {1e3 * seconds:.1f} | {args.batch / seconds:,.0f} "
+                f"| {seconds / erm:.3f} | {peak_text} |",
+                flush=True,
+            )
+        sagm, sam = results["sagm"][0], results["sam"][0]
+        print(f"| {dtype} | SAGM/SAM {sagm / sam:.3f}, SAGM/ERM {sagm / erm:.3f} | | | | |")
+        report["steps"][dtype] = {a: {"seconds": s, "peak_bytes": p} for a, (s, p) in results.items()}
+
+
+def _time(fn, *args, repeats):
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / repeats
+
+
+def section_augment(args, report):
+    print(f"\n## Device augmentation, batch {args.batch} -> {args.image_size}x{args.image_size}")
+    augment = jax.jit(lambda keys, x, hw: device_augment.augment_batch(keys, x, hw, args.image_size))
+    rng = np.random.default_rng(0)
+    keys = device_augment.example_keys(0, device_augment.TRAIN_STREAM, 0, jnp.arange(args.batch))
+    sagm = report["steps"].get("bfloat16", report["steps"].get("float32", {})).get("sagm")
+    print("| canvas | ms/batch | img/s | fraction of the SAGM step |")
+    print("|---|---|---|---|")
+    for h, w in ((227, 227), (320, 427)):
+        x = jnp.asarray(rng.integers(0, 256, (args.batch, h, w, 3), dtype=np.uint8))
+        hw = jnp.asarray(np.tile([h, w], (args.batch, 1)).astype(np.int32))
+        seconds = _time(augment, keys, x, hw, repeats=args.steps * 2)
+        fraction = f"{seconds / sagm['seconds']:.3f}" if sagm else "n/a (run 'steps')"
+        print(f"| {h}x{w} | {1e3 * seconds:.2f} | {args.batch / seconds:,.0f} | {fraction} |")
+        report["augment"][f"{h}x{w}"] = seconds
+
+
+def section_loop(args, report):
+    from sagm_jax import config as config_lib
+    from sagm_jax import train
+    from sagm_jax.data.pipeline import prefetch_to_mesh
+    from sagm_jax.train_step import create_train_state
+
+    tmp = tempfile.mkdtemp(prefix="device_report_")
+    folder = os.path.join(tmp, "data")
+    start = time.perf_counter()
+    bench_input.write_tree(folder, 227, 227, args.images_per_class)
+    print(f"\n## Real loop on a PACS-like folder ({time.perf_counter() - start:.0f} s to write it)")
+    config = config_lib.paper_config("PACS")
+    config.update(
+        dataset="ImageFolder",
+        data_dir=folder,
+        pretrained_weights="none",
+        arch=args.arch,
+        image_size=args.image_size,
+        batch_per_env=args.batch // 3,
+        compute_dtype=args.loop_dtype,
+        cache_dir=os.path.join(tmp, "cache"),
+        test_envs=(3,),
+    )
+    start = time.perf_counter()
+    dataset = train.dataset_from_config(config)
+    n_images = sum(dataset.env_sizes)
+    build = time.perf_counter() - start
+    print(f"opened, store built: {n_images} images in {build:.1f} s ({n_images / build:,.0f}/s)")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("batch",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    model, variables, _ = train.model_from_config(config, dataset, jax.random.key(0))
+    optimizer = train.optimizer_from_config(config, axis_name="batch")
+    train_step, eval_step = train.make_steps(config, model, optimizer, mesh)
+    state = jax.device_put(create_train_state(variables, optimizer), replicated)
+    key = jax.random.key(1)
+    batches = prefetch_to_mesh(
+        dataset.train_iterator([0, 1, 2], seed=0, batch_per_env=config.batch_per_env), mesh
+    )
+    constant = next(batches)
+    for _ in range(3):  # compile and warm up
+        state, metrics = train_step(state, next(batches), key)
+    float(metrics["loss"])
+
+    def run(n, feed):
+        nonlocal state
+        t0 = time.perf_counter()
+        for t in range(n):
+            state, metrics = train_step(state, feed(), key)
+            if t % 10 == 0:
+                float(metrics["loss"])  # the run loop reads the loss every log_every=10
+        jax.block_until_ready(state)
+        return time.perf_counter() - t0
+
+    chunk = max(1, args.loop_steps // args.rounds)
+    real = const = 0.0
+    for _ in range(args.rounds):
+        real += run(chunk, lambda: next(batches))
+        const += run(chunk, lambda: constant)
+    steps = chunk * args.rounds
+    fraction = const / real
+    print(f"| input | steps | steps/s | img/s |\n|---|---|---|---|")
+    print(f"| real loop (store -> prefetch -> device augmentation) | {steps} | {steps / real:.2f} "
+          f"| {steps * args.batch / real:,.0f} |")
+    print(f"| constant batch on the device | {steps} | {steps / const:.2f} "
+          f"| {steps * args.batch / const:,.0f} |")
+    print(f"input-bound fraction (real / constant steps/s): {fraction:.3f}")
+    train.evaluate(eval_step, state, dataset, mesh, config, [0, 1, 2])  # compile
+    start = time.perf_counter()
+    train.evaluate(eval_step, state, dataset, mesh, config, [0, 1, 2])
+    evaluation = time.perf_counter() - start
+    print(f"evaluation pass over all {n_images} images: {evaluation:.2f} s")
+    report["loop"] = {
+        "images": n_images,
+        "store_build_s": build,
+        "steps": steps,
+        "loop_steps_per_s": steps / real,
+        "constant_steps_per_s": steps / const,
+        "input_bound_fraction": fraction,
+        "eval_pass_s": evaluation,
+        "dtype": args.loop_dtype,
+    }
+
+
+SECTIONS = {"steps": section_steps, "augment": section_augment, "loop": section_loop}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sections", nargs="*", default=list(SECTIONS), choices=list(SECTIONS))
+    parser.add_argument("--arch", default="resnet50")
+    parser.add_argument("--image_size", type=int, default=224)
+    parser.add_argument("--batch", type=int, default=96)
+    parser.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5, help="steps per timing round")
+    parser.add_argument("--loop_steps", type=int, default=300)
+    parser.add_argument("--loop_dtype", default="bfloat16")
+    parser.add_argument("--images_per_class", type=int, default=40)
+    parser.add_argument("--json", default=None, help="also write the figures here")
+    args = parser.parse_args()
+    print(device_line(), flush=True)
+    report = {"device": device_line(), "args": vars(args), "steps": {}, "augment": {}}
+    for name in args.sections:
+        try:
+            SECTIONS[name](args, report)
+        except Exception:  # a report goes on to its next section; the error is shown
+            traceback.print_exc()
+            report[f"{name}_error"] = traceback.format_exc()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
