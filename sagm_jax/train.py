@@ -411,6 +411,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
                             best.wait_until_finished()
                 loss_sum, loss_count = jnp.zeros([], jnp.float32), 0
     finally:  # a pending asynchronous save completes even when the loop fails
+        batches.close()  # stops the prefetching thread
         progress.close()
         if latest is not None:
             latest.wait_until_finished()
@@ -467,41 +468,90 @@ def _metric_writer(workdir: str, is_main: bool):
     return metric_writers.create_default_writer(workdir, just_logging=not is_main)
 
 
-def print_summary(records: list[dict], test_envs) -> None:
-    """The step chosen by training-domain validation and its accuracy per environment."""
+def print_summary(records: list[dict], test_envs, env_names=None) -> None:
+    """The step chosen by training-domain validation and its accuracy (%) per environment
+    and split part, as the result tables show accuracies."""
     if not records:
         print("No evaluation records.")
         return
     chosen = training_domain_validation(records, test_envs)
     envs = sorted({int(k[3:].split("_")[0]) for k in chosen if k.startswith("env")})
+    parts = [p for p in ("in", "out", "test") if f"env{envs[0]}_{p}_acc" in chosen]
+    names = {e: f"env{e}" + (f" {env_names[e]}" if env_names else "") for e in envs}
+    width = max(len(n) for n in names.values()) + 8
     print(
-        f"Selected step {chosen['step']} by training-domain validation "
-        f"(mean training-domain 'out' accuracy {chosen['validation_acc']:.4f}):"
+        f"Selected step {chosen['step']} by training-domain validation (mean 'out' accuracy "
+        f"of the training environments {100 * chosen['validation_acc']:.1f}%):"
     )
+    print("  " + "environment".ljust(width) + "".join(f"{p + ' %':>8}" for p in parts))
     for e in envs:
-        role = "test " if e in test_envs else "train"
-        parts = ", ".join(
-            f"{k.split('_')[1]} {chosen[k]:.4f}"
-            for k in sorted(chosen)
-            if k.startswith(f"env{e}_") and k.endswith("_acc")
-        )
-        print(f"  env{e} ({role}): {parts}")
+        label = f"{names[e]} ({'test' if e in test_envs else 'train'})"
+        values = "".join(f"{100 * chosen[f'env{e}_{p}_acc']:>8.1f}" for p in parts)
+        print("  " + label.ljust(width) + values)
+    tests = ", ".join(f"{names[e]} {100 * chosen[f'env{e}_in_acc']:.1f}%" for e in test_envs)
+    print(f"Test accuracy ('in' split of the test environment): {tests}")
+
+
+# Config keys that differ between the runs of one hyperparameter setting.
+NOT_HPARAMS = ("test_envs", "all_test_envs", "trial_seed", "seed")
+
+
+def hparams_seed(config_dict: dict) -> int:
+    """DomainBed's ``args.hparams_seed`` for a run: an integer naming its hyperparameter
+    setting, the md5 of its config without :data:`NOT_HPARAMS`, reduced to 31 bits as
+    DomainBed's ``seed_hash``. The runs of one setting share it across test environments
+    and trial seeds (DomainBed's collector groups a sweep's runs by it, and matches
+    leave-one-domain-out pairs through it); any other config difference gives another."""
+    import hashlib
+
+    setting = {k: v for k, v in config_dict.items() if k not in NOT_HPARAMS}
+    text = json.dumps(setting, sort_keys=True, default=str)
+    return int(hashlib.md5(text.encode("utf-8")).hexdigest(), 16) % 2**31
+
+
+def _duration(seconds: float) -> str:
+    minutes, s = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{s:02d}s" if hours else f"{minutes}m{s:02d}s"
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Any:
-    """Runs ``config.test_envs``, or every environment in turn with ``config.all_test_envs``."""
+    """Runs ``config.test_envs``, or every environment in turn with ``config.all_test_envs``
+    (then prints the table of test accuracies and writes it to ``workdir/results.md``).
+    Ends with the run directory and the wall time."""
+    import time
+
+    start, is_main = time.monotonic(), jax.process_index() == 0
+    if is_main:
+        print(f"Run directory: {os.path.abspath(workdir)}", flush=True)
     if not config.all_test_envs:
-        return run(config, workdir)
-    n_envs = len(dataset_from_config(config, open_images=False).env_names)
-    table = {}
-    for env in range(n_envs):
-        env_config = ml_collections.ConfigDict(config.to_dict())
-        env_config.test_envs, env_config.all_test_envs = (env,), False
-        records = run(env_config, os.path.join(workdir, f"test_env{env}"))
-        table[env] = training_domain_validation(records, [env])[f"env{env}_in_acc"]
-    print(f"\n{config.dataset} / {config.algorithm}, test accuracy (training-domain validation):")
-    print(
-        " | ".join(f"env{e} {100 * a:.1f}" for e, a in table.items())
-        + f" | avg {100 * np.mean(list(table.values())):.1f}"
-    )
-    return table
+        result = run(config, workdir)
+    else:
+        env_names = dataset_from_config(config, open_images=False).env_names
+        result = {}
+        for env in range(len(env_names)):
+            env_config = ml_collections.ConfigDict(config.to_dict())
+            env_config.test_envs, env_config.all_test_envs = (env,), False
+            records = run(env_config, os.path.join(workdir, f"test_env{env}"))
+            result[env] = training_domain_validation(records, [env])[f"env{env}_in_acc"]
+        average = 100 * np.mean(list(result.values()))
+        table = "\n".join(
+            [
+                f"{config.dataset} / {config.algorithm}, test accuracy (training-domain "
+                f"validation), % (the 'in' split of each test environment):",
+                "",
+                "| " + " | ".join(["test environment", *env_names, "Avg"]) + " |",
+                "|---|" + ":-:|" * (len(env_names) + 1),
+                "| accuracy | "
+                + " | ".join(f"{100 * a:.1f}" for a in result.values())
+                + f" | {average:.1f} |",
+            ]
+        )
+        if is_main:
+            with open(os.path.join(workdir, "results.md"), "w") as f:
+                f.write(table + "\n")
+            print("\n" + table + f"\n(written to {os.path.join(workdir, 'results.md')})")
+    if is_main:
+        print(f"Run directory: {os.path.abspath(workdir)}")
+        print(f"Wall time: {_duration(time.monotonic() - start)}")
+    return result

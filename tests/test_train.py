@@ -196,13 +196,33 @@ def _run_env():
     return env
 
 
-def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path):
+def _folder_overrides(tmp_path):
+    """A tiny image folder trained through the device input path (decoded store,
+    augmentation on the device)."""
+    write_image_tree(tmp_path / "data", n=4)
+    return [
+        "--config.dataset=ImageFolder",
+        f"--config.data_dir={tmp_path / 'data'}",
+        f"--config.cache_dir={tmp_path / 'cache'}",
+        "--config.input=device",
+        "--config.image_size=16",
+        "--config.test_envs=1",
+    ]
+
+
+@pytest.mark.parametrize("dataset", ["rotated_digits", "image_folder_device_input"])
+def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path, dataset):
+    overrides = _folder_overrides(tmp_path) if dataset != "rotated_digits" else []
     subprocess.run(
-        _main_command(tmp_path / "whole"), check=True, env=_run_env(), cwd=REPO, capture_output=True
+        _main_command(tmp_path / "whole", *overrides),
+        check=True,
+        env=_run_env(),
+        cwd=REPO,
+        capture_output=True,
     )
     killed = tmp_path / "killed"
     process = subprocess.Popen(
-        _main_command(killed),
+        _main_command(killed, *overrides),
         env=_run_env(),
         cwd=REPO,
         stdout=subprocess.DEVNULL,
@@ -216,7 +236,8 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path):
     records_at_kill = len(train.read_records(str(killed)))
     assert not os.path.exists(killed / "done") and 3 <= records_at_kill < 9
     resumed = subprocess.run(
-        _main_command(killed), check=True, env=_run_env(), cwd=REPO, capture_output=True, text=True
+        _main_command(killed, *overrides),
+        check=True, env=_run_env(), cwd=REPO, capture_output=True, text=True
     )
     assert "resumed at step" in resumed.stdout
     with open(tmp_path / "whole" / "results.jsonl") as a, open(killed / "results.jsonl") as b:
@@ -296,3 +317,26 @@ def test_two_processes_give_the_two_device_run(tmp_path):
         for key in a:
             if key.endswith("_acc"):
                 assert a[key] == pytest.approx(b[key], abs=1.0 / 60), key
+
+
+def test_image_folder_trains_without_tensorflow(tmp_path):
+    """The image-folder path (store, device augmentation, evaluation, checkpoints) on a
+    machine without TensorFlow, as many GPU machines are: its import is made to fail."""
+    no_tf = (
+        "import sys, runpy; sys.modules['tensorflow'] = None; "
+        "sys.modules['tensorflow_datasets'] = None; sys.argv = ['sagm_jax.main'] + sys.argv[1:]; "
+        "runpy.run_module('sagm_jax.main', run_name='__main__', alter_sys=True); "
+        "assert sys.modules['tensorflow'] is None"
+    )
+    command = _main_command(tmp_path / "run", *_folder_overrides(tmp_path), "--config.steps=3")
+    done = subprocess.run(
+        [sys.executable, "-c", no_tf, *command[3:]],
+        env=_run_env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "TensorFlow is not installed" in done.stdout
+    assert [r["step"] for r in train.read_records(str(tmp_path / "run"))] == [0, 2]
+    assert os.path.exists(tmp_path / "run" / "done")

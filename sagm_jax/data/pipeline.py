@@ -97,7 +97,9 @@ def to_global_batch(batch: dict, mesh, axis: str = "batch") -> dict:
 def prefetch_to_mesh(batches: Iterator[dict], mesh, depth: int = 2) -> Iterator[dict]:
     """``to_global_batch`` of each host batch, ``depth`` batches ahead, from a
     background thread (gathering rows and the host-to-device copy overlap the step).
-    An exception in the thread is raised here, at the batch where it happened."""
+    An exception in the thread is raised here, at the batch where it happened.
+    Closing the generator (``.close()``, or its end) stops and joins the thread, so
+    no transfer is still running when the process exits."""
     slots: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
     done = object()
@@ -131,6 +133,7 @@ def prefetch_to_mesh(batches: Iterator[dict], mesh, depth: int = 2) -> Iterator[
             yield item
     finally:
         stop.set()
+        thread.join()
 
 
 @dataclasses.dataclass
