@@ -200,8 +200,10 @@ def augment_pixels(image_u8, params, size: int = 224):
     wx = resize_weights(left, crop_w, image_u8.shape[1], size)
     wx = jnp.where(params["flip"], wx[::-1], wx)
     x = image_u8.astype(jnp.float32) / 255.0
-    x = jnp.einsum("ih,hwc->iwc", wy, x)
-    x = jnp.clip(jnp.einsum("jw,iwc->ijc", wx, x), 0.0, 1.0)
+    # Full float32 products: TF32 (GPUs) or bfloat16 passes (TPUs) would add ~1/255.
+    exact = jax.lax.Precision.HIGHEST
+    x = jnp.einsum("ih,hwc->iwc", wy, x, precision=exact)
+    x = jnp.clip(jnp.einsum("jw,iwc->ijc", wx, x, precision=exact), 0.0, 1.0)
     x = color_jitter(x, params["order"], params["factors"], params["hue"])
     return jnp.where(params["gray"], jnp.broadcast_to(gray(x), x.shape), x)
 
