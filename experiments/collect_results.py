@@ -3,7 +3,13 @@ models (``sagm_jax.selection``) and prints the paper's tables in Markdown or LaT
 
     python experiments/collect_results.py --input_dir sweeps/digits \
         [--selection training_domain|leave_one_out|oracle_last|oracle_best] \
-        [--latex] [--output FILE]
+        [--latex] [--pm +/-] [--output FILE]
+
+Records written by DomainBed's ``train.py`` (no ``config``; ``args.hparams_seed``) are
+read too, so our sweeps and DomainBed's published ones can share a table: their
+method is ``args.algorithm`` + " (DomainBed)", their hyperparameter setting is
+``args.hparams_seed``, and a DomainBed run counts as finished when it has ``done``
+or its last record is step ``args.steps - 1`` (5000 when ``steps`` is unset).
 
 Grouping (DomainBed's ``reporting.get_grouped_records``): a run's records join the
 group (split, dataset, method, trial_seed, t) for each of its test environments t.
@@ -53,6 +59,9 @@ ALGORITHM_NAMES = {
 ABLATION_ALGORITHMS = ("erm", "sam", "erm_sam", "sagm")
 MIXSTYLE = " + MixStyle"
 NOT_TEST_KEYS = ("test_envs", "all_test_envs")  # what differs between runs of one setting
+DOMAINBED = " (DomainBed)"  # marks the methods of records written by DomainBed
+DOMAINBED_STEPS = 5001  # DomainBed's N_STEPS when a run leaves --steps unset
+PLUS_MINUS = ("±", "+/-")  # ours; DomainBed's collect_results
 
 
 Run = collections.namedtuple("Run", "path done records")
@@ -73,13 +82,21 @@ def load_runs(input_dir: str) -> tuple[list[Run], list[str]]:
                 except json.JSONDecodeError as error:
                     raise ValueError(f"{path}: not JSON lines ({error}).") from None
             for record in records:
-                if "config" not in record or "args" not in record:
+                if "args" not in record or not (
+                    "config" in record or "hparams_seed" in record["args"]
+                ):
                     raise ValueError(
-                        f"{path}: a record lacks 'args' or 'config'; expected records "
-                        "written by sagm_jax.train."
+                        f"{path}: a record has neither 'config' (written by sagm_jax.train) "
+                        "nor 'args.hparams_seed' (written by DomainBed's train.py); expected "
+                        "records of one of them."
                     )
             if records:
-                runs.append(Run(os.path.relpath(folder, input_dir), "done" in files, records))
+                done = "done" in files or (
+                    is_domainbed(records[0])
+                    and max(r["step"] for r in records)
+                    == (records[0]["args"].get("steps") or DOMAINBED_STEPS) - 1
+                )
+                runs.append(Run(os.path.relpath(folder, input_dir), done, records))
             else:
                 not_started.append(os.path.relpath(folder, input_dir))
         elif "args.json" in files:
@@ -89,17 +106,32 @@ def load_runs(input_dir: str) -> tuple[list[Run], list[str]]:
     return runs, not_started
 
 
+def is_domainbed(record: dict) -> bool:
+    """Written by DomainBed's train.py (it keeps no ``config``)."""
+    return "config" not in record
+
+
 def method_name(record: dict) -> str:
     algorithm = record["args"]["algorithm"]
+    if is_domainbed(record):
+        return f"{algorithm}{DOMAINBED}"
     return ALGORITHM_NAMES.get(algorithm, algorithm) + (
         MIXSTYLE if record["config"].get("mixstyle") else ""
     )
 
 
 def setting_key(record: dict) -> str:
+    """The run's hyperparameter setting: its config without the test environments, or
+    DomainBed's ``args.hparams_seed``."""
+    if is_domainbed(record):
+        return json.dumps({"domainbed_hparams_seed": record["args"]["hparams_seed"]})
     return json.dumps(
         {k: v for k, v in record["config"].items() if k not in NOT_TEST_KEYS}, sort_keys=True
     )
+
+
+def split_of(record: dict) -> str:
+    return "domainbed" if is_domainbed(record) else record["config"].get("split", "domainbed")
 
 
 def group_runs(runs: list[Run]) -> dict:
@@ -110,7 +142,7 @@ def group_runs(runs: list[Run]) -> dict:
         first = run.records[0]
         args = first["args"]
         test_envs = tuple(sorted(int(e) for e in args["test_envs"]))
-        split = first["config"].get("split", "domainbed")
+        split = split_of(first)
         for t in test_envs:
             group = (split, args["dataset"], method_name(first), int(args["trial_seed"]), t)
             setting = groups[group].setdefault(setting_key(first), {})
@@ -207,11 +239,12 @@ def method_order(name: str):
     return (rank, base, name.endswith(MIXSTYLE))
 
 
-def format_cell(cell: Cell | None, latex: bool) -> str:
+def format_cell(cell: Cell | None, latex: bool, pm: str = PLUS_MINUS[0]) -> str:
+    """``mean pm s.e.`` (``$\\pm$`` in LaTeX), with ``(k/n)`` when seeds are missing."""
     if cell is None:
         return "-"
-    pm = " $\\pm$ " if latex else " ± "
-    text = f"{cell.mean:.1f}{pm}{cell.se:.1f}"
+    sign = "$\\pm$" if latex else pm
+    text = f"{cell.mean:.1f} {sign} {cell.se:.1f}"
     return text + (f" ({cell.n}/{cell.expected})" if cell.n < cell.expected else "")
 
 
@@ -270,9 +303,15 @@ def env_labels(runs: list[Run], input_dir: str) -> dict:
 
 
 def build_report(
-    input_dir: str, selection_name: str = "training_domain", latex: bool = False
+    input_dir: str,
+    selection_name: str = "training_domain",
+    latex: bool = False,
+    pm: str = PLUS_MINUS[0],
 ) -> str:
-    """The whole report (tables and notes) as one string."""
+    """The whole report (tables and notes) as one string; ``pm``: "±", or "+/-" as
+    DomainBed prints (LaTeX always uses $\\pm$)."""
+    if pm not in PLUS_MINUS:
+        raise ValueError(f"--pm {pm!r}: expected one of {', '.join(PLUS_MINUS)}.")
     if selection_name not in selection.RUN_SELECTIONS:
         raise ValueError(
             f"--selection {selection_name!r}: expected one of "
@@ -299,7 +338,7 @@ def build_report(
         for method in methods:
             cells = [ood.dataset_cell(d, method) for d in ood.datasets]
             rows.append(
-                [method, *[format_cell(c, latex) for c in cells], format_average(cells, latex)]
+                [method, *[format_cell(c, latex, pm) for c in cells], format_average(cells, latex)]
             )
         out.append(render_table(title, header, rows, latex))
 
@@ -318,10 +357,10 @@ def build_report(
                 [
                     m,
                     *[
-                        format_cell(ood.env_cell(dataset, m, e), latex)
+                        format_cell(ood.env_cell(dataset, m, e), latex, pm)
                         for e in ood.test_envs[dataset]
                     ],
-                    format_cell(ood.dataset_cell(dataset, m), latex),
+                    format_cell(ood.dataset_cell(dataset, m), latex, pm),
                 ]
                 for m in ood.methods
             ]
@@ -341,9 +380,11 @@ def build_report(
             row = [method]
             for dataset in in_domain.datasets:
                 row += [
-                    format_cell(in_domain.dataset_cell(dataset, method), latex),
+                    format_cell(in_domain.dataset_cell(dataset, method), latex, pm),
                     format_cell(
-                        ood.dataset_cell(dataset, method) if dataset in ood.seeds else None, latex
+                        ood.dataset_cell(dataset, method) if dataset in ood.seeds else None,
+                        latex,
+                        pm,
                     ),
                 ]
             rows.append(row)
@@ -365,7 +406,7 @@ def build_report(
         )
 
     notes = [
-        f"Model selection: {name}. Cells: mean ± standard error over trial seeds, "
+        f"Model selection: {name}. Cells: mean {pm} standard error over trial seeds, "
         "s.e. = np.std(x, ddof=0) / sqrt(n) (DomainBed's); a dataset's entry averages "
         "its test environments per seed; '-' = no runs; (k/n) = over k of the n trial "
         "seeds of that dataset in the sweep; (partial) = an average including such a cell."
@@ -388,7 +429,7 @@ def build_report(
     if not_started:
         notes.append("Jobs without records (not started): " + ", ".join(sorted(not_started)) + ".")
     if latex:
-        out += ["% " + latex_escape(n).replace("±", "$\\pm$") for n in notes]
+        out += ["% " + latex_escape(n).replace(pm, "$\\pm$") for n in notes]
     else:
         out += ["Notes:", "\n".join(f"- {n}" for n in notes)]
     return "\n\n".join(out) + "\n"
@@ -403,10 +444,16 @@ def main(argv=None) -> int:
         help=f"One of {', '.join(selection.RUN_SELECTIONS)}.",
     )
     parser.add_argument("--latex", action="store_true", help="LaTeX tables instead of Markdown.")
+    parser.add_argument(
+        "--pm",
+        choices=PLUS_MINUS,
+        default=PLUS_MINUS[0],
+        help="The sign between mean and standard error; '+/-' is DomainBed's style.",
+    )
     parser.add_argument("--output", help="Write the report to this file (default: stdout).")
     args = parser.parse_args(argv)
     try:
-        report = build_report(args.input_dir, args.selection, args.latex)
+        report = build_report(args.input_dir, args.selection, args.latex, args.pm)
     except (FileNotFoundError, ValueError) as error:
         print(f"collect_results: {error}", file=sys.stderr)
         return 2

@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import sagm_jax  # noqa: E402
 from sagm_jax import train  # noqa: E402
+from sagm_jax.cli import quiet_tensorflow_import  # noqa: E402
 from sagm_jax.train_step import create_train_state, per_example_cross_entropy  # noqa: E402
 
 DEFAULT_RHOS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2)
@@ -162,17 +163,21 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--checkpoint", default="latest", choices=("latest", "best"))
     args = parser.parse_args(argv)
+    quiet_tensorflow_import()  # its start-up notes, printed twice, are noise here
     try:
         rhos = [float(r) for r in args.rhos.split(",")]
     except ValueError:
         parser.error(f"--rhos {args.rhos!r}: expected comma-separated numbers.")
     entries = []
     for workdir in finished_runs(args.input_dir):
-        entries += run_sharpness(workdir, rhos, args.checkpoint)
-        print(
-            f"{workdir}: "
-            + ", ".join(f"{e['env_name']} h={e['sharpness'][-1]:.4g}" for e in entries[-1:])
-        )
+        new_entries = run_sharpness(workdir, rhos, args.checkpoint)
+        entries += new_entries
+        for e in new_entries:
+            curve = ", ".join(f"rho={r:g}: {h:.4g}" for r, h in zip(e["rho"], e["sharpness"]))
+            print(
+                f"{workdir}: {e['algorithm']}, target env {e['test_env']} ({e['env_name']}), "
+                f"h_rho = L(w + rho g/|g|) - L(w): {curve}"
+            )
     os.makedirs(args.output_dir, exist_ok=True)
     with open(os.path.join(args.output_dir, "sharpness.json"), "w") as f:
         json.dump(entries, f, indent=1)

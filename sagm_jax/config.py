@@ -179,6 +179,11 @@ def config_problems(config: ml_collections.ConfigDict) -> list[str]:
     for key, choices in _CHOICES.items():
         if config[key] not in choices:
             problems.append(f"config.{key}={config[key]!r}: expected one of {', '.join(choices)}.")
+    if not all(isinstance(e, int) and e >= 0 for e in config.test_envs) or not config.test_envs:
+        problems.append(
+            f"config.test_envs={config.test_envs!r}: expected environment indices, "
+            "e.g. --config.test_envs=0 or --config.test_envs=0,1."
+        )
     if int(config.num_devices) < 0:
         problems.append(f"config.num_devices={config.num_devices!r}: expected 0 (all) or more.")
     for key in ("steps", "eval_every", "log_every", "batch_per_env", "eval_batch_size"):

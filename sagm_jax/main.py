@@ -1,36 +1,35 @@
-"""Entry point: ``python -m sagm_jax.main --config=configs/pacs.py --workdir=DIR``.
+"""Entry point: ``python -m sagm_jax.main --config=configs/pacs.py [--workdir=DIR]``.
 
-``--config.key=value`` overrides a config field. ``--distributed`` calls
-``jax.distributed.initialize()`` first, one process per host: TPU pods and
+``--config.key=value`` overrides a config field; ``--help`` lists them all. Without
+``--workdir`` the run goes to ``sagm_jax.cli.default_workdir(config)``. ``--distributed``
+calls ``jax.distributed.initialize()`` first, one process per host: TPU pods and
 SLURM/Open MPI clusters are detected; elsewhere pass ``--coordinator_address``,
-``--num_processes`` and ``--process_id``.
+``--num_processes`` and ``--process_id``. What the user sees around the run (help,
+checks, errors, Ctrl-C) is ``sagm_jax.cli``'s.
 """
 
+import signal
 import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from sagm_jax.config import check_overrides
+from sagm_jax import cli
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", lock_config=True, help_string="A configs/*.py file."
 )
-_WORKDIR = flags.DEFINE_string(
-    "workdir", None, "Run directory (results, checkpoints).", required=True
-)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default: derived from the config).")
 _DISTRIBUTED = flags.DEFINE_bool(
     "distributed", False, "Call jax.distributed.initialize() (one process per host)."
 )
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
+_TRACEBACK = flags.DEFINE_bool("traceback", False, "Show the traceback of an error.")
 
 
-def main(argv):
-    del argv
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+def train(config, workdir: str) -> None:
     import jax
 
     if _DISTRIBUTED.value:
@@ -41,9 +40,16 @@ def main(argv):
             num_processes=_NUM_PROCESSES.value,
             process_id=_PROCESS_ID.value,
         )
-    from sagm_jax import train
+    from sagm_jax import claims, train as train_lib
 
-    train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    # One process trains a run directory at a time (the others' processes share it).
+    claim = claims.try_claim(workdir, "run.lock") if jax.process_index() == 0 else None
+    if jax.process_index() == 0 and claim is None:  # held until this process exits
+        raise cli.UsageError(
+            f"--workdir={workdir}: another process is training this run (it holds "
+            f"{workdir}/run.lock); wait for it to finish, or choose another --workdir."
+        )
+    train_lib.train_and_evaluate(config, workdir)
     if _DISTRIBUTED.value:
         # Leave together: a process that exits while another still talks to the
         # coordinator (process 0) makes that one abort.
@@ -53,6 +59,21 @@ def main(argv):
         jax.distributed.shutdown()
 
 
+def main(argv):
+    del argv
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as Ctrl-C does
+    workdir = _WORKDIR.value or cli.default_workdir(_CONFIG.value)
+
+    def checked_run():
+        cli.preflight(_CONFIG.value, workdir, sys.argv)
+        cli.quiet_tensorflow_import()
+        train(_CONFIG.value, workdir)
+
+    return cli.guarded(checked_run, workdir, sys.argv, _TRACEBACK.value)
+
+
 if __name__ == "__main__":
-    check_overrides(sys.argv)
-    app.run(main)
+    cli.check_command_line(sys.argv)
+    app.run(main, flags_parser=cli.parse_flags)

@@ -1,6 +1,7 @@
 """SAGM, SAM and GSAM as optax gradient transformations, and the paper's optimizer.
 
-This module owns the update rules of ../shared/docs/sagm-spec.md. Each rule is an
+This module owns the update rules, as the authors' released code computes them
+(docs/protocol.md tabulates them with the training protocol). Each rule is an
 ``optax.GradientTransformationExtraArgs`` whose ``update`` receives the clean
 gradient ``g = grad L_B(w)`` as ``updates`` and a ``grad_fn(params, i) -> grads``
 extra argument (the opaque-mode convention of ``optax.contrib.sam``; ``i`` is the

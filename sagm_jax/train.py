@@ -226,7 +226,12 @@ def evaluate(eval_step, state, dataset, mesh, config, train_envs) -> dict:
         for part in dataset.splits[env]:
             augment = config.augment_validation and part == "out" and env in train_envs
             batches = dataset.eval_iterator(
-                env, part, batch_size=config.eval_batch_size, augment=augment, seed=config.seed
+                env,
+                part,
+                batch_size=config.eval_batch_size,
+                augment=augment,
+                seed=config.seed,
+                batch_multiple=mesh.devices.size,
             )
             counts = [
                 eval_step(state.params, state.batch_stats, batch)
@@ -375,6 +380,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
                         "test_envs": test_envs,
                         "trial_seed": config.trial_seed,
                         "seed": config.seed,
+                        "hparams_seed": hparams_seed(config_dict),
                         "output_dir": os.path.abspath(workdir),
                     },
                     "hparams": {
@@ -420,7 +426,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
     if is_main:
         with open(os.path.join(workdir, DONE), "w") as f:
             f.write("done\n")
-        print_summary(records, test_envs)
+        print_summary(records, test_envs, dataset.env_names)
     return records
 
 

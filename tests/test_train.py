@@ -18,6 +18,8 @@ from sagm_jax.config import base_config, mnist_config
 from sagm_jax.models import synthetic
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Every test here trains real runs: left out of `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
 
 
 def digits_config(**overrides):

@@ -13,7 +13,13 @@ built, so importing this package does not start TensorFlow.
 """
 
 from sagm_jax.data.image_folder import BadImageError, DatasetLayoutError, DatasetNotFoundError
-from sagm_jax.data.pipeline import DomainBedData, eval_layout, sample_train_indices, to_global_batch
+from sagm_jax.data.pipeline import (
+    DomainBedData,
+    eval_batch_size,
+    eval_layout,
+    sample_train_indices,
+    to_global_batch,
+)
 from sagm_jax.data.registry import DATASETS, DatasetSpec, get_spec, load
 from sagm_jax.data.splits import (
     IMAGE_EXTENSIONS,
@@ -36,6 +42,7 @@ __all__ = [
     "ImageStore",
     "StreamingSource",
     "domainbed_splits",
+    "eval_batch_size",
     "eval_layout",
     "get_spec",
     "holdout_split",

@@ -65,8 +65,25 @@ def host_rows(global_size: int, process_index: int, process_count: int) -> tuple
     return process_index * local, (process_index + 1) * local
 
 
-def eval_layout(n: int, batch_size: int, process_index: int = 0, process_count: int = 1):
-    """Positions into a split of ``n`` and the mask, shaped [num_batches, local batch]."""
+def eval_batch_size(n: int, batch_size: int, multiple: int = 1) -> int:
+    """The global evaluation batch for a split of ``n`` examples: ``batch_size``, or, for
+    a smaller split, the smallest ``multiple * 2**k`` that holds it, so that a tiny split
+    is not padded to ``batch_size``. ``multiple`` (the devices the batch is sharded over)
+    must divide ``batch_size``; powers of two keep the compiled shapes few."""
+    if n >= batch_size:
+        return batch_size
+    size = multiple
+    while size < n:
+        size *= 2
+    return min(size, batch_size)
+
+
+def eval_layout(
+    n: int, batch_size: int, process_index: int = 0, process_count: int = 1, multiple: int = 1
+):
+    """Positions into a split of ``n`` and the mask, shaped [num_batches, local batch];
+    the batch is :func:`eval_batch_size` (``multiple``: the devices of the mesh)."""
+    batch_size = eval_batch_size(n, batch_size, math.lcm(multiple, process_count))
     lo, hi = host_rows(batch_size, process_index, process_count)
     num_batches = math.ceil(n / batch_size)
     position = np.arange(num_batches * batch_size)
@@ -316,17 +333,20 @@ class DomainBedData:
         seed: int = 0,
         process_index: int | None = None,
         process_count: int | None = None,
+        batch_multiple: int = 1,
     ) -> Iterator[dict]:
         """Finite iterator over split ``part`` of environment ``env``:
         ``{'image', 'label', 'mask'}``, every example once, padding masked out.
         ``augment=True`` applies the training augmentation (DomainBed's old default for
-        validation), seeded by ``seed`` and the example's position."""
+        validation), seeded by ``seed`` and the example's position. A split smaller
+        than ``batch_size`` comes in one smaller batch (:func:`eval_batch_size`; pass
+        the mesh's device count as ``batch_multiple``)."""
         self._check_env(env)
         if part not in self.splits[env]:
             raise ValueError(f"Split part {part!r} not in {sorted(self.splits[env])}")
         indices = self.splits[env][part]
         p, n_proc = _processes(process_index, process_count)
-        position, mask = eval_layout(len(indices), batch_size, p, n_proc)
+        position, mask = eval_layout(len(indices), batch_size, p, n_proc, batch_multiple)
         if self.folder is not None:
             offset = int(np.sum(self.env_sizes[:env]))
             ids = offset + indices[position] if len(indices) else position

@@ -13,10 +13,11 @@ import os
 from typing import Callable
 
 DOWNLOAD_HELP = (
-    "DomainBed's downloader fetches and unpacks all of them into this layout:\n"
-    "  python -m domainbed.scripts.download --data_dir=DATA_DIR\n"
-    "(domainbed/scripts/download.py in https://github.com/facebookresearch/DomainBed), "
-    "then pass --data_dir=DATA_DIR."
+    "DomainBed's downloader (domainbed/scripts/download.py in "
+    "https://github.com/facebookresearch/DomainBed) fetches each dataset into this layout, "
+    'one function per dataset, from a clone: python -c "from domainbed.scripts import '
+    "download; download.download_pacs('DATA_DIR')\" (README 'Getting the data'). Then pass "
+    "--config.data_dir=DATA_DIR to sagm_jax.main (--data_dir=DATA_DIR to sagm_jax.data.verify)."
 )
 
 
@@ -138,6 +139,7 @@ def load(
     cache_dir: str | None = "default",
     data_seed: int = 0,
     image_size: int = 224,
+    check_layout: bool = True,
 ):
     """Open dataset ``name`` and split it for ``trial_seed``; returns ``DomainBedData``.
 
@@ -147,6 +149,8 @@ def load(
     ``.skipped`` and the fingerprint). verify_images: decode-check every file (cached
     in ``cache_dir``; None disables the cache). data_seed: the shuffle and coin flips
     of the MNIST-like datasets. image_size: side of the model input for image folders.
+    check_layout=False opens a folder whose domains or class count differ from the
+    published ones (``verify`` reports the differences after printing the counts).
     """
     from sagm_jax.data import image_folder
     from sagm_jax.data.pipeline import DomainBedData
@@ -170,12 +174,12 @@ def load(
         verify_images=verify_images,
         cache_dir=cache_dir,
     )
-    if spec.num_classes is not None and len(index.class_names) != spec.num_classes:
+    if check_layout and spec.num_classes is not None and len(index.class_names) != spec.num_classes:
         raise image_folder.DatasetLayoutError(
             f"{name} at {index.root} has {len(index.class_names)} classes, expected "
             f"{spec.num_classes}.\n{spec.missing_help(data_dir)}"
         )
-    if spec.domains is not None and tuple(index.env_names) != spec.domains:
+    if check_layout and spec.domains is not None and tuple(index.env_names) != spec.domains:
         raise image_folder.DatasetLayoutError(
             f"{name} at {index.root} has domains {index.env_names}, expected "
             f"{list(spec.domains)}.\n{spec.missing_help(data_dir)}"

@@ -59,6 +59,7 @@ def main(argv=None) -> int:
             trial_seed=0,
             skip_bad_files=args.skip_bad_files,
             cache_dir=None if args.no_cache else "default",
+            check_layout=False,  # print what is there, then every difference
         )
     except (
         image_folder.DatasetNotFoundError,

@@ -66,11 +66,22 @@ def test_eval_visits_every_example_once(folder_data, part, batch_size):
         batches = list(
             ds.eval_iterator(env, part, batch_size=batch_size, process_index=0, process_count=1)
         )
-        assert all(b["image"].shape[0] == batch_size for b in batches)
+        size = data.eval_batch_size(len(indices), batch_size)  # a small split: smaller
+        assert size <= batch_size and all(b["image"].shape[0] == size for b in batches)
         labels = np.concatenate([b["label"][b["mask"]] for b in batches])
         assert int(sum(b["mask"].sum() for b in batches)) == len(indices)
         np.testing.assert_array_equal(labels, ds.folder.labels[env][indices])
-        assert len(batches) == -(-len(indices) // batch_size)
+        assert len(batches) == -(-len(indices) // size)
+
+
+def test_a_small_split_is_not_padded_to_the_batch_size():
+    assert data.eval_batch_size(5, 128) == 8  # not 128
+    assert data.eval_batch_size(5, 128, multiple=8) == 8
+    assert data.eval_batch_size(9, 128, multiple=8) == 16
+    assert data.eval_batch_size(100, 96, multiple=6) == 96  # large: the configured batch
+    assert data.eval_batch_size(40, 96, multiple=6) == 48
+    position, mask = data.eval_layout(5, 128, multiple=4)
+    assert position.shape == mask.shape == (1, 8) and mask.sum() == 5
 
 
 def test_eval_images_are_the_squashed_files(folder_data):

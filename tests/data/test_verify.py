@@ -34,6 +34,16 @@ def test_verify_prints_counts_and_fails_on_mismatch(tmp_path, capsys):
     assert "MISMATCH: 70 images != published 10729" in out
 
 
+def test_verify_prints_the_counts_of_another_layout_before_its_differences(tmp_path, capsys):
+    make_vlcs_like(str(tmp_path))
+    os.rename(tmp_path / "VLCS" / "SUN09", tmp_path / "VLCS" / "SUN")  # a domain named otherwise
+    code = verify.main(["--dataset=VLCS", f"--data_dir={tmp_path}", "--no_cache"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "SUN: 20 images" in out and "total: 70 images, 5 classes" in out
+    assert "MISMATCH: domains ['Caltech101', 'LabelMe', 'SUN', 'VOC2007']" in out
+
+
 def test_compare_accepts_published_counts():
     spec = verify.registry.get_spec("VLCS")
     counts = {d: {f"c{k}": n // 5 + (k < n % 5) for k in range(5)} for d, n in VLCS.items()}

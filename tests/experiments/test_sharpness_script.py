@@ -7,12 +7,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from experiments import sharpness as sharpness_script
 from sagm_jax import train
 from sagm_jax.config import mnist_config
 
 
+@pytest.mark.slow
 def test_sharpness_curves_of_a_finished_run(tmp_path):
     config = mnist_config("RotatedDigits")
     config.update(

@@ -1,9 +1,14 @@
 """The sweep launcher: job list and hashes, bookkeeping (skip, relaunch, failures,
-GPU pinning, status), and one real tiny training job through its command."""
+GPU pinning, status), exactly-once runs (two launchers at once, a killed launcher,
+SIGTERM), repeated --set, the submitit path (local executor, requeue after a time
+limit, the SLURM batch script), and one real tiny training job through its command."""
 
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -113,7 +118,7 @@ def test_launch_skips_done_relaunches_incomplete_and_reports_failures(tmp_path):
     log = tmp_path / "log.txt"
     assert [j.status() for j in jobs] == ["done", "incomplete", "not launched", "not launched"]
     table = sweep.status_table(jobs)
-    assert "4 jobs: 1 done, 1 incomplete, 2 not launched" in table
+    assert "4 jobs: 1 done, 0 running, 1 incomplete, 2 not launched" in table
     assert table.splitlines()[0].split() == ["status", "job", "lr", "test_envs"]
 
     result = sweep.launch(
@@ -127,7 +132,8 @@ def test_launch_skips_done_relaunches_incomplete_and_reports_failures(tmp_path):
     )
     assert [(j.directory, code) for j, code in result["failed"]] == [(failing.directory, 3)]
     assert json.load(open(os.path.join(fresh.directory, "args.json"))) == fresh.args
-    assert open(os.path.join(fresh.directory, "out.txt")).read() == "gpu None\n"
+    out = open(os.path.join(fresh.directory, "out.txt")).read().splitlines()
+    assert out[0].startswith("=== ") and out[-1] == "gpu None"  # a header per launch
     assert [j.status() for j in jobs] == ["done", "done", "incomplete", "done"]
     assert [j.directory for j in sweep.delete_incomplete(jobs)] == [failing.directory]
     assert not os.path.exists(failing.directory)
@@ -138,7 +144,7 @@ def test_gpu_workers_pin_one_gpu_each(tmp_path):
     sweep.launch(
         jobs, gpus=["0", "1"], make_command=fake_command(tmp_path / "log"), log=lambda _: None
     )
-    seen = [open(os.path.join(j.directory, "out.txt")).read().split()[1] for j in jobs]
+    seen = [open(os.path.join(j.directory, "out.txt")).read().split()[-1] for j in jobs]
     assert set(seen) <= {"0", "1"} and all(j.status() == "done" for j in jobs)
 
 
@@ -147,6 +153,7 @@ def test_cli_reports_bad_input(capsys):
     assert "'Nope'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_one_real_tiny_job(tmp_path, monkeypatch):
     """The launcher's real command trains (2 steps of RotatedDigits) and the collector
     reads what it wrote."""
@@ -169,3 +176,272 @@ def test_one_real_tiny_job(tmp_path, monkeypatch):
     assert sweep.launch(jobs, log=lambda _: None)["skipped"] == jobs  # done: not run again
     report = collect_results.build_report(str(tmp_path / "sweep"))
     assert "| SAGM | " in report and "(1/1)" not in report
+
+
+# --- exactly once: claims, several launchers, kills -------------------------------
+# Launchers run as separate processes, as a user starts them; their jobs are FAKE_JOB,
+# which notes its start and end in a shared log (O_APPEND), prints to out.txt and
+# err.txt, and stops like sagm_jax.main (exit 130) on SIGTERM.
+
+LAUNCHER = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from experiments import sweep
+spec = json.load(open(sys.argv[2]))
+jobs = [sweep.Job(args, spec["output_dir"]) for args in spec["jobs"]]
+command = lambda job: [
+    sys.executable, spec["fake"], job.directory, spec["log"], str(spec["seconds"])]
+result = sweep.launch(
+    jobs, workers=spec["workers"], make_command=command, log=lambda m: print(m, flush=True))
+print("RESULT " + json.dumps({k: len(v) for k, v in result.items()}), flush=True)
+"""
+
+FAKE_JOB = """
+import os, signal, sys, time
+workdir, log, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
+def note(word):
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.write(fd, f"{word} {os.path.basename(workdir)}\\n".encode())
+    os.close(fd)
+def stop(signum, frame):
+    note("stopped")
+    sys.exit(130)
+signal.signal(signal.SIGTERM, stop)
+note("start")
+for i in range(5):
+    print("out", i, flush=True)
+    print("err", i, file=sys.stderr, flush=True)
+    time.sleep(seconds / 5)
+open(os.path.join(workdir, "done"), "w").close()
+note("end")
+"""
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def start_launcher(tmp_path, jobs, seconds, workers=1, name="spec"):
+    fake = tmp_path / "fake_job.py"
+    fake.write_text(FAKE_JOB)
+    spec = tmp_path / f"{name}.json"
+    spec.write_text(
+        json.dumps(
+            {
+                "jobs": [job.args for job in jobs],
+                "output_dir": os.path.dirname(jobs[0].directory),
+                "fake": str(fake),
+                "log": str(tmp_path / "log.txt"),
+                "seconds": seconds,
+                "workers": workers,
+            }
+        )
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, REPO, str(spec)], stdout=subprocess.PIPE, text=True
+    )
+
+
+def finish(launcher, timeout=120):
+    out, _ = launcher.communicate(timeout=timeout)
+    result = json.loads(out.split("RESULT ")[1])
+    return out, result
+
+
+def log_lines(tmp_path):
+    path = tmp_path / "log.txt"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def wait_for(condition, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_two_launchers_on_one_folder_run_every_job_exactly_once(tmp_path):
+    jobs = jobs_for(tmp_path / "sweep", algorithms=["erm"])  # 8 jobs
+    first = start_launcher(tmp_path, jobs, seconds=1, workers=2, name="a")
+    second = start_launcher(tmp_path, jobs, seconds=1, workers=2, name="b")
+    (out_a, a), (out_b, b) = finish(first), finish(second)
+    assert a["finished"] > 0 and b["finished"] > 0  # they did compete
+    starts = [line for line in log_lines(tmp_path) if line.startswith("start")]
+    assert sorted(starts) == sorted(f"start {os.path.basename(j.directory)}" for j in jobs)
+    assert a["finished"] + b["finished"] == 8 and a["failed"] == b["failed"] == 0
+    for job in jobs:
+        assert job.status() == "done"
+        for name, word in (("out.txt", "out"), ("err.txt", "err")):
+            text = open(os.path.join(job.directory, name)).read()
+            assert "\x00" not in text
+            lines = text.splitlines()
+            assert lines[0].startswith("=== ") and lines[1:] == [f"{word} {i}" for i in range(5)]
+    # Progress: [n/N], the job, and an ETA once a job has finished.
+    assert "] start   PACS erm test_envs=0 trial_seed=0 lr=1e-05" in out_a + out_b
+    assert "ETA " in out_a + out_b
+
+
+def test_a_killed_launchers_job_keeps_its_claim_and_finishes_once(tmp_path):
+    jobs = jobs_for(tmp_path / "sweep", algorithms=["erm"], test_envs=["0"], trial_seeds=[0])
+    job = jobs[0]
+    jobs = [job]
+    first = start_launcher(tmp_path, jobs, seconds=4, name="a")
+    wait_for(lambda: log_lines(tmp_path) == [f"start {os.path.basename(job.directory)}"])
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    assert job.status() == "running"  # the orphaned job still holds the claim
+    out, second = finish(start_launcher(tmp_path, jobs, seconds=0.1, name="b"))
+    assert second["elsewhere"] == 1 and second["finished"] == 0
+    assert "0 to run" in out
+    wait_for(job.is_done)
+    wait_for(lambda: job.status() == "done")
+    assert [line.split()[0] for line in log_lines(tmp_path)] == ["start", "end"]
+    _, third = finish(start_launcher(tmp_path, jobs, seconds=0.1, name="c"))
+    assert third["skipped"] == 1 and len(log_lines(tmp_path)) == 2
+
+
+def test_sigterm_stops_the_launcher_with_its_jobs_and_a_relaunch_resumes_them(tmp_path):
+    jobs = jobs_for(tmp_path / "sweep", algorithms=["erm"], test_envs=["0"], trial_seeds=[0])
+    job = jobs[0]
+    first = start_launcher(tmp_path, [job], seconds=60, name="a")
+    wait_for(lambda: len(log_lines(tmp_path)) == 1)
+    first.send_signal(signal.SIGTERM)
+    out, result = finish(first)
+    assert result["stopped"] == 1 and "Stopping (SIGTERM)" in out
+    assert [line.split()[0] for line in log_lines(tmp_path)] == ["start", "stopped"]
+    assert job.status() == "incomplete"  # nobody holds it: the next launcher takes it
+    _, again = finish(start_launcher(tmp_path, [job], seconds=0.1, name="b"))
+    assert again["finished"] == 1 and job.status() == "done"
+    assert [line.split()[0] for line in log_lines(tmp_path)] == ["start", "stopped", "start", "end"]
+
+
+# --- --set, status ----------------------------------------------------------------
+
+
+def test_repeated_set_accumulates_and_a_key_given_twice_is_refused(tmp_path, capsys):
+    # The README's Table 2 command: $W (two keys) then --set split=in_domain.
+    argv = ["launch", "--dry_run", "--datasets", "PACS", "--algorithms", "sagm"]
+    argv += ["--test_envs", "0", "--output_dir", str(tmp_path)]
+    argv += ["--set", "data_dir=/data", "pretrained_weights=/w.pth", "--set", "split=in_domain"]
+    assert sweep.main(argv) == 0
+    command = capsys.readouterr().out
+    for flag in ("data_dir=/data", "pretrained_weights=/w.pth", "split=in_domain"):
+        assert f"--config.{flag}" in command
+    assert sweep.main(argv + ["--set", "split=domainbed"]) == 2
+    assert "--set split is given twice" in capsys.readouterr().err
+    args = sweep.parse_args(argv + ["--grid", "lr=1e-5,3e-5", "--grid", "dropout=0,0.5"])
+    assert args.grid == ["lr=1e-5,3e-5", "dropout=0,0.5"]
+
+
+def test_status_explains_folders_that_are_not_jobs_of_the_grid(tmp_path, capsys):
+    output = tmp_path / "sweep"
+    other = jobs_for(output, algorithms=["erm"], test_envs=["0"], trial_seeds=[0])[0]
+    os.makedirs(other.directory)
+    with open(os.path.join(other.directory, "args.json"), "w") as f:
+        json.dump({**other.args, "steps": 5001}, f)
+    (output / "stray").mkdir()
+    argv = ["status", "--datasets", "PACS", "--algorithms", "erm", "--test_envs", "0"]
+    assert sweep.main(argv + ["--output_dir", str(output), "--set", "steps=301"]) == 0
+    out = capsys.readouterr().out
+    assert "2 folder(s) in" in out and "are not jobs of this grid" in out
+    assert "steps=5001 (this grid: 301)" in out
+    assert "stray  not a job folder (no args.json)" in out
+
+
+# --- the cluster path: submitit ---------------------------------------------------
+
+
+def fake_task_command(log, first_seconds):
+    """A job that runs ``first_seconds`` on its first launch and finishes at once when
+    launched again (as a resumed run would)."""
+    script = (
+        "import os, signal, sys, time\n"
+        "workdir, log, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])\n"
+        "def note(w):\n"
+        "    with open(log, 'a') as f: f.write(w + '\\n')\n"
+        "def stop(*_):\n"
+        "    note('stopped'); sys.exit(130)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "again = os.path.exists(os.path.join(workdir, 'ran_once'))\n"
+        "open(os.path.join(workdir, 'ran_once'), 'w').close()\n"
+        "note('resumed' if again else 'start')\n"
+        "time.sleep(0 if again else seconds)\n"
+        "open(os.path.join(workdir, 'done'), 'w').close()\n"
+        "note('end')\n"
+    )
+    return lambda job: [sys.executable, "-c", script, job.directory, str(log), str(first_seconds)]
+
+
+def test_cluster_path_through_submitits_local_executor(tmp_path):
+    import submitit
+
+    output = str(tmp_path / "sweep")
+    jobs = jobs_for(output, algorithms=["erm"], test_envs=["0"], trial_seeds=[0])  # 2 lrs
+    executor = submitit.LocalExecutor(folder=str(tmp_path / "logs" / "%j"))
+    executor.update_parameters(timeout_min=2, setup=[sweep.PYTHONPATH_SETUP])
+    log = tmp_path / "log.txt"
+    tasks = sweep.submit(jobs, output, executor, fake_task_command(log, 0), log=lambda _: None)
+    assert [task.result()["outcome"] for task in tasks] == [0, 0]
+    assert all(job.status() == "done" for job in jobs)
+    assert sweep.submit(jobs, output, executor, log=lambda _: None) == []  # all done
+
+
+def test_a_preempted_cluster_task_stops_its_run_requeues_and_resumes(tmp_path):
+    import submitit
+
+    output = str(tmp_path / "sweep")
+    job = jobs_for(output, algorithms=["erm"], test_envs=["0"], trial_seeds=[0])[0]
+    # The time limit's signal (USR2) comes 6 s after the start, as SLURM's would before
+    # the limit; the task stops the run and submitit requeues the task.
+    executor = submitit.LocalExecutor(folder=str(tmp_path / "logs" / "%j"), max_num_timeout=2)
+    executor.update_parameters(
+        timeout_min=12 / 60, signal_delay_s=6, setup=[sweep.PYTHONPATH_SETUP]
+    )
+    log = tmp_path / "log.txt"
+    (task,) = sweep.submit([job], output, executor, fake_task_command(log, 60), log=lambda _: None)
+    assert task.result()["outcome"] == 0, task.stdout()
+    assert log.read_text().split() == ["start", "stopped", "resumed", "end"]
+    assert job.status() == "done"
+
+
+def test_slurm_submission_is_one_array_task_per_job_with_the_flags(tmp_path, monkeypatch):
+    """submitit's SLURM executor against stand-ins for srun and sbatch: the batch script
+    it submits carries the launcher's flags."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "sbatch").write_text(
+        f'#!/bin/sh\ncp "$1" {tmp_path}/script.sh\necho "Submitted batch job 4242"\n'
+    )
+    for tool in ("srun", "sbatch"):
+        os.chmod(bin_dir / tool, 0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    output = str(tmp_path / "sweep")
+    jobs = jobs_for(output, algorithms=["erm"], test_envs=["0"], trial_seeds=[0, 1])[:3]
+    executor = sweep.make_executor(
+        output,
+        "slurm",
+        partition="gpu",
+        account="lab",
+        gpus_per_job=2,
+        time_min=90,
+        array_parallelism=2,
+    )
+    tasks = sweep.submit(jobs, output, executor, log=lambda _: None)
+    assert [task.job_id for task in tasks] == ["4242_0", "4242_1", "4242_2"]
+    script = (tmp_path / "script.sh").read_text()
+    for line in (
+        "#SBATCH --array=0-2%2",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=lab",
+        "#SBATCH --gpus-per-node=2",
+        "#SBATCH --time=90",
+        "#SBATCH --signal=USR2@120",
+        f"export PYTHONPATH={REPO}",
+    ):
+        assert line in script, line
+
+
+def test_slurm_launcher_off_a_cluster_says_so(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no srun
+    argv = ["launch", "--datasets", "PACS", "--algorithms", "erm", "--test_envs", "0"]
+    assert sweep.main(argv + ["--output_dir", str(tmp_path), "--launcher", "slurm"]) == 2
+    assert "--launcher slurm" in capsys.readouterr().err

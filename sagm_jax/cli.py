@@ -1,0 +1,384 @@
+"""What ``python -m sagm_jax.main`` tells its user: help, checks before a run, errors.
+
+Owns everything around the training call: ``--help`` (the flags, then every config
+field with its value and meaning from :data:`sagm_jax.config.FIELDS`); the checks of
+the command line before absl parses it (``--config`` missing or unreadable, unknown
+keys); the checks of the loaded config before anything heavy starts, which list every
+missing input at once with the flag that supplies it; the default run directory; one
+message and a non-zero exit instead of a traceback for the errors a user can fix; the
+message after Ctrl-C; and a quiet TensorFlow start-up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import hashlib
+import json
+import os
+import re
+import shlex
+import sys
+import textwrap
+from typing import Callable, Sequence
+
+import ml_collections
+
+from sagm_jax import config as config_lib
+
+PROGRAM = "python -m sagm_jax.main"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HELP_FLAGS = ("--help", "-h", "--helpshort", "--helpfull", "-?")
+# Errors a user can fix from their message (bad values, missing files, an unusable
+# workdir, a diverged run, a missing optional dependency): printed without traceback.
+USER_ERRORS = (ValueError, OSError, FloatingPointError, ImportError)
+
+# Exit statuses.
+USAGE, FAILED, INTERRUPTED = 2, 1, 130
+
+
+class UsageError(Exception):
+    """A command that cannot start; the message says what to pass instead."""
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# --- before absl parses the flags -------------------------------------------------
+
+
+def _config_path(argv: Sequence[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1].split(":", 1)[0]
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1].split(":", 1)[0]
+    return None
+
+
+def _config_files() -> str:
+    names = sorted(glob.glob(os.path.join(REPO, "configs", "*.py")))
+    relative = [os.path.relpath(n) for n in names]
+    if any(r.startswith("..") for r in relative):  # not run from the repository
+        relative = names
+    return ", ".join(relative) or "configs/*.py"
+
+
+def load_config_file(path: str) -> ml_collections.ConfigDict:
+    """``get_config()`` of a config file; UsageError naming the file if that fails."""
+    if not os.path.isfile(path):
+        raise UsageError(
+            f"--config={path}: no such file. Expected one of {_config_files()} "
+            "(a Python file with get_config())."
+        )
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_sagm_jax_config_file", path)
+    try:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.get_config()
+    except Exception as error:  # the file itself is broken: say which and how
+        raise UsageError(
+            f"--config={path}: could not load it ({type(error).__name__}: {error}). "
+            "Expected a Python file whose get_config() returns an ml_collections.ConfigDict."
+        ) from None
+
+
+def check_command_line(argv: Sequence[str]) -> None:
+    """``--help`` prints the help and exits 0; a missing or unloadable ``--config`` or an
+    unknown ``--config.KEY`` exits 2 with one message. Runs before absl, whose own
+    answers to these are a traceback or exit status 1."""
+    args = list(argv[1:])
+    if any(a in HELP_FLAGS for a in args):
+        print(help_text(_config_path(args)))
+        raise SystemExit(0)
+    try:
+        path = _config_path(args)
+        if path is None:
+            raise UsageError(
+                "--config is missing.\n"
+                f"  usage: {PROGRAM} --config=configs/DATASET.py [--workdir=DIR] "
+                "[--config.KEY=VALUE ...]\n"
+                + textwrap.fill(
+                    f"configs: {_config_files()}",
+                    100,
+                    initial_indent="  ",
+                    subsequent_indent="           ",
+                    break_on_hyphens=False,
+                )
+                + f"\n  offline start: {PROGRAM} --config=configs/rotated_digits.py\n"
+                f"  every field, with its default and meaning: {PROGRAM} --help"
+            )
+        load_config_file(path)
+        config_lib.check_overrides(argv)
+    except UsageError as error:
+        _say(f"{PROGRAM}: {error}")
+        raise SystemExit(USAGE) from None
+    except SystemExit as error:  # check_overrides' message
+        if isinstance(error.code, str):
+            _say(f"{PROGRAM}: {error.code}")
+            raise SystemExit(USAGE) from None
+        raise
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing (``app.run(..., flags_parser=parse_flags)``), with a value
+    that does not parse reported as one message naming the field's type, exit status 2."""
+    from absl import flags
+
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as error:
+        message = str(error)
+        match = re.match(r"flag --config\.([\w.]+)=", message)
+        if match:
+            with contextlib.suppress(Exception):
+                default = load_config_file(_config_path(argv[1:]))[match.group(1)]
+                message += f" (config.{match.group(1)} expects {type(default).__name__} values"
+                message += f", e.g. --config.{match.group(1)}={_render(default)})"
+        _say(f"{PROGRAM}: {message}")
+        raise SystemExit(USAGE) from None
+
+
+def _render(value) -> str:
+    """A value as ``--config.KEY=`` takes it."""
+    if isinstance(value, str):
+        return value if value else "''"
+    return str(tuple(value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+def help_text(path: str | None = None) -> str:
+    """Usage, flags, and every config field with its value (of ``path``'s config when
+    given, else the defaults) and its meaning."""
+    values, source = config_lib.base_config(), "the base config's defaults"
+    if path:
+        try:
+            values, source = load_config_file(path), f"the values of {path}"
+        except UsageError as error:
+            source = f"the base config's defaults ({error})"
+    lines = [
+        f"usage: {PROGRAM} --config=configs/DATASET.py [--workdir=DIR] [--config.KEY=VALUE ...]",
+        "",
+        "Trains one run (or, with --config.all_test_envs=True, one per test environment) and",
+        "writes its records, checkpoints and summary to the run directory. Ctrl-C stops it;",
+        "the same command resumes it.",
+        "",
+        "flags:",
+        *textwrap.wrap(
+            f"  --config=FILE        one of {_config_files()}",
+            width=100,
+            subsequent_indent=" " * 23,
+            break_on_hyphens=False,
+        ),
+        "  --workdir=DIR        the run directory; default:",
+        "                       workdirs/<dataset>-<algorithm>-test<envs>-trial<t>-<config hash>",
+        "  --config.KEY=VALUE   override a config field (below)",
+        "  --distributed        call jax.distributed.initialize() first (one process per host);",
+        "                       --coordinator_address, --num_processes, --process_id where",
+        "                       the cluster does not configure itself",
+        "  --traceback          show the Python traceback of an error",
+        "  --verbosity=N        absl logging (default: warnings only); --helpfull: absl's flags",
+        "",
+        f"config fields ({source}):",
+    ]
+    for section, fields in config_lib.FIELDS.items():
+        lines.append(f"  {section}")
+        for key, _, meaning in fields:
+            flag = f"    --config.{key}={_render(values.get(key))}"
+            text = f"{flag:<44} {meaning}" if len(flag) < 44 else f"{flag}\n{'':<44} {meaning}"
+            lines += textwrap.wrap(
+                text,
+                width=100,
+                subsequent_indent=" " * 45,
+                break_long_words=False,
+                break_on_hyphens=False,
+            )
+    return "\n".join(lines)
+
+
+# --- after absl: the loaded config --------------------------------------------------
+
+
+def default_workdir(config: ml_collections.ConfigDict) -> str:
+    """``workdirs/<dataset>-<algorithm>-test<envs>-trial<t>-<md5 of the config, 8 hex>``:
+    the same command finds its run again, any other config gets its own directory."""
+    envs = "all" if config.all_test_envs else "_".join(str(e) for e in config.test_envs)
+    digest = hashlib.md5(
+        json.dumps(config.to_dict(), sort_keys=True, default=str).encode()
+    ).hexdigest()[:8]
+    name = f"{config.dataset}-{config.algorithm}-test{envs}-trial{config.trial_seed}-{digest}"
+    return os.path.join("workdirs", name)
+
+
+def _data_problem(config) -> str | None:
+    from sagm_jax.data import registry
+
+    spec = registry.DATASETS.get(config.dataset)
+    if spec is None or spec.kind != "folder":
+        return None  # in memory (an unknown name is reported by preflight)
+    layout = (
+        "DATA_DIR/<domain>/<class>/<image>"
+        if spec.folder is None
+        else f"DATA_DIR/{spec.folder}/<domain>/<class>/<image>"
+    )
+    get = (
+        "Get it as the README's 'Getting the data' says, then check it with "
+        f"`python -m sagm_jax.data.verify --dataset={config.dataset} --data_dir=DATA_DIR`."
+    )
+    if not config.data_dir:
+        return (
+            f"--config.data_dir=DATA_DIR is missing: {config.dataset} is read from {layout}. {get}"
+        )
+    if not os.path.isdir(config.data_dir):
+        return f"--config.data_dir={config.data_dir}: no such directory. Expected {layout}. {get}"
+    root = registry.dataset_root(spec, config.data_dir)
+    if not os.path.isdir(root):
+        return (
+            f"--config.data_dir={config.data_dir}: it has no {spec.folder}/ folder; "
+            f"{config.dataset} is read from {layout}. {get}"
+        )
+    return None
+
+
+def _weights_problem(config) -> str | None:
+    weights = config.pretrained_weights
+    if config.arch == "mnist_cnn" or (weights and weights.lower() == "none"):
+        return None
+    file = config_lib.WEIGHTS_FILES.get(config.arch, f"{config.arch}.pth")
+    get = (
+        f"The paper starts from torchvision's ImageNet {config.arch}: download "
+        f"{config_lib.weights_url(config.arch)} (reading a .pth needs torch, a CPU build; or "
+        f"convert it once with `python -m sagm_jax.models.convert {file} "
+        f"{config.arch}.safetensors` and pass that file; README 'ImageNet weights'). "
+        "--config.pretrained_weights=none trains from scratch (not the paper's setting)."
+    )
+    if not weights:
+        return f"--config.pretrained_weights=FILE is missing. {get}"
+    if not os.path.isfile(weights):
+        return f"--config.pretrained_weights={weights}: no such file. {get}"
+    return None
+
+
+def _workdir_problem(workdir: str) -> str | None:
+    path = os.path.abspath(workdir)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        return f"--workdir={workdir}: {path} is a file, so the run directory cannot be made there."
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"--workdir={workdir}: {path} is not writable; choose a directory you can write."
+    return None
+
+
+def preflight(config: ml_collections.ConfigDict, workdir: str, argv: Sequence[str]) -> None:
+    """UsageError listing EVERYTHING that stops the run from starting (data, weights,
+    values, workdir), each with the flag that fixes it, and an example command."""
+    problems = [
+        p for p in (_data_problem(config), _weights_problem(config), _workdir_problem(workdir)) if p
+    ]
+    problems += [
+        p
+        for p in config_lib.config_problems(config)
+        if not p.startswith("config.pretrained_weights")
+    ]
+    from sagm_jax.data import registry
+
+    if config.dataset not in registry.DATASETS:
+        problems.append(
+            f"--config.dataset={config.dataset}: expected one of {', '.join(registry.DATASETS)}."
+        )
+    if not problems:
+        return
+    path = _config_path(argv[1:]) or "the config"
+    lines = [f"{path} cannot start; {len(problems)} thing(s) to fix:"]
+    lines += [
+        textwrap.fill(
+            p,
+            100,
+            initial_indent=f"  {i}. ",
+            subsequent_indent="     ",
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+        for i, p in enumerate(problems, 1)
+    ]
+    example = list(argv[1:])
+    if _data_problem(config) and not config.data_dir:
+        example.append("--config.data_dir=DATA_DIR")
+    if _weights_problem(config) and not config.pretrained_weights:
+        example.append(
+            "--config.pretrained_weights="
+            + config_lib.WEIGHTS_FILES.get(config.arch, f"{config.arch}.pth")
+        )
+    lines += [
+        f"The run directory would be {workdir} (--workdir=DIR chooses another).",
+        "For example:",
+        f"  {PROGRAM} {shlex.join(example)}",
+    ]
+    raise UsageError("\n".join(lines))
+
+
+# --- around the run -----------------------------------------------------------------
+
+
+def quiet_tensorflow_import() -> None:
+    """Imports TensorFlow with the C++ start-up chatter it writes straight to file
+    descriptor 2 (twice: oneDNN notices, CPU-feature notes) sent to /dev/null. A failing
+    import still raises its Python exception, printed normally."""
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        sys.stderr.flush()
+        os.dup2(null, 2)
+        with contextlib.suppress(ImportError):
+            import tensorflow  # noqa: F401
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+def interrupted_message(workdir: str, argv: Sequence[str]) -> str:
+    """Where the stopped run stands (its last evaluated step, per test environment with
+    all_test_envs) and the command that resumes it."""
+    steps = []
+    pattern = os.path.join(glob.escape(workdir), "**", "results.jsonl")
+    for path in sorted(glob.glob(pattern, recursive=True)):
+        with open(path) as f:
+            lines = [line for line in f if line.strip()]
+        if lines:
+            name = os.path.relpath(os.path.dirname(path), workdir)
+            step = json.loads(lines[-1])["step"]
+            steps.append(f"step {step}" + (f" in {name}" if name != "." else ""))
+    kept = f" Last evaluation: {', '.join(steps)}." if steps else ""
+    command = list(argv[1:])
+    if not any(a.startswith("--workdir") for a in command):
+        command.append(f"--workdir={workdir}")
+    return (
+        f"Stopped. {workdir} keeps its checkpoints and records.{kept} Resume from the last "
+        f"checkpoint with the same command:\n  {PROGRAM} {shlex.join(command)}"
+    )
+
+
+def guarded(
+    run: Callable[[], object], workdir: str, argv: Sequence[str], show_traceback: bool
+) -> int:
+    """Runs ``run()``; returns the exit status. A user error is one message on stderr
+    (UsageError: 2; others: 1), Ctrl-C or SIGTERM says how to resume (130)."""
+    try:
+        run()
+    except KeyboardInterrupt:
+        _say("")
+        _say(interrupted_message(workdir, argv))
+        return INTERRUPTED
+    except UsageError as error:
+        _say(f"{PROGRAM}: {error}")
+        return USAGE
+    except USER_ERRORS as error:
+        if show_traceback:
+            raise
+        _say(f"{PROGRAM}: error: {error}")
+        _say("(--traceback shows where it was raised)")
+        return FAILED
+    return 0

@@ -1,0 +1,343 @@
+"""DomainBed compatibility both ways: our collector reads records written by DomainBed's
+``train.py``, and DomainBed's ``collect_results`` logic reads ours.
+
+DomainBed cannot be installed here, so :func:`domainbed_tables` re-states the part of
+its reader that touches a record, written for this test (not copied), keeping its key
+accesses and arithmetic. It mirrors, in facebookresearch/DomainBed:
+
+* ``domainbed/lib/reporting.py``: ``load_records`` (``<input_dir>/<subdir>/results.jsonl``,
+  one level deep) and ``get_grouped_records`` (one group per ``args.trial_seed``,
+  ``args.dataset``, ``args.algorithm`` and each entry of ``args.test_envs``);
+* ``domainbed/model_selection.py``: ``SelectionMethod.hparams_accs`` / ``sweep_acc``
+  (a group's records grouped by ``args.hparams_seed``, the best ``val_acc`` wins),
+  ``IIDAccuracySelectionMethod`` (records whose ``args.test_envs`` has one entry;
+  ``val_acc`` = mean of ``env{i}_out_acc`` for ``i = 0, 1, ...`` while the key exists,
+  ``i`` != the test env; ``test_acc`` = ``env{t}_in_acc``; argmax over steps) and
+  ``OracleSelectionMethod`` (the record with the largest ``step``; ``env{t}_out_acc``
+  ranks, ``env{t}_in_acc`` is reported);
+* ``domainbed/scripts/collect_results.py``: ``format_mean`` (``100 * mean``,
+  ``100 * std / sqrt(n)``, ``"{:.1f} +/- {:.1f}"``) and ``print_results_tables`` (the
+  datasets DomainBed knows, one row per ``args.algorithm``, one column per test env).
+"""
+
+import collections
+import itertools
+import json
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from experiments import collect_results, sweep
+from sagm_jax import train
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# DomainBed's datasets and their number of environments (datasets.num_environments).
+DOMAINBED_DATASETS = {
+    "RotatedMNIST": 6,
+    "ColoredMNIST": 3,
+    "VLCS": 4,
+    "PACS": 4,
+    "OfficeHome": 4,
+    "TerraIncognita": 4,
+    "DomainNet": 6,
+}
+
+
+# --- DomainBed's reader, re-stated ----------------------------------------------------
+
+
+def load_records(path):
+    records = []
+    for subdir in os.listdir(path):
+        try:
+            with open(os.path.join(path, subdir, "results.jsonl")) as f:
+                records += [json.loads(line[:-1]) for line in f]
+        except OSError:
+            pass
+    return records
+
+
+def iid_step_acc(record):
+    test_env = record["args"]["test_envs"][0]
+    keys = []
+    for i in itertools.count():
+        if f"env{i}_out_acc" not in record:
+            break
+        if i != test_env:
+            keys.append(f"env{i}_out_acc")
+    return {
+        "val_acc": np.mean([record[k] for k in keys]),
+        "test_acc": record[f"env{test_env}_in_acc"],
+    }
+
+
+def iid_run_acc(run_records):
+    accs = [iid_step_acc(r) for r in run_records if len(r["args"]["test_envs"]) == 1]
+    return max(accs, key=lambda a: a["val_acc"]) if accs else None
+
+
+def oracle_run_acc(run_records):
+    records = [r for r in run_records if len(r["args"]["test_envs"]) == 1]
+    if not records:
+        return None
+    test_env = records[0]["args"]["test_envs"][0]
+    last = sorted(records, key=lambda r: r["step"])[-1]
+    return {"val_acc": last[f"env{test_env}_out_acc"], "test_acc": last[f"env{test_env}_in_acc"]}
+
+
+def sweep_acc(records, run_acc):
+    by_hparams = collections.defaultdict(list)
+    for r in records:
+        by_hparams[r["args"]["hparams_seed"]].append(r)
+    accs = [a for a in (run_acc(rs) for rs in by_hparams.values()) if a is not None]
+    return max(accs, key=lambda a: a["val_acc"])["test_acc"] if accs else None
+
+
+def domainbed_tables(input_dir, run_acc=iid_run_acc):
+    """``{dataset: {algorithm: [cell per test env] + [avg]}}`` as DomainBed prints them."""
+    records = load_records(input_dir)
+    groups = collections.defaultdict(list)
+    for r in records:
+        for test_env in r["args"]["test_envs"]:
+            key = (r["args"]["trial_seed"], r["args"]["dataset"], r["args"]["algorithm"], test_env)
+            groups[key].append(r)
+    accs = {k: sweep_acc(rs, run_acc) for k, rs in groups.items()}
+    accs = {k: a for k, a in accs.items() if a is not None}
+    algorithms = sorted({r["args"]["algorithm"] for r in records})
+    tables = {}
+    for dataset in [d for d in DOMAINBED_DATASETS if d in {r["args"]["dataset"] for r in records}]:
+        tables[dataset] = {}
+        for algorithm in algorithms:
+            cells, means = [], []
+            for env in range(DOMAINBED_DATASETS[dataset]):
+                trial_accs = [
+                    a
+                    for (t, d, al, e), a in accs.items()
+                    if (d, al, e) == (dataset, algorithm, env)
+                ]
+                if trial_accs:
+                    mean = 100 * np.mean(trial_accs)
+                    err = 100 * np.std(np.array(trial_accs) / np.sqrt(len(trial_accs)))
+                    cells.append(f"{mean:.1f} +/- {err:.1f}")
+                    means.append(mean)
+                else:
+                    cells.append("X")
+                    means.append(None)
+            avg = "X" if None in means else f"{sum(means) / len(means):.1f}"
+            tables[dataset][algorithm] = cells + [avg]
+    return tables
+
+
+# --- records written by DomainBed, read by our collector ------------------------------
+
+
+def write_domainbed_run(
+    root, name, *, test_env, trial_seed, hparams_seed, levels, done=True, steps=5001
+):
+    """One DomainBed job folder: results.jsonl as DomainBed's train.py writes it (VLCS,
+    ERM, an evaluation per entry of ``levels`` at steps 0, 300, then ``steps - 1``), and
+    ``done``."""
+    folder = os.path.join(root, name)
+    os.makedirs(folder)
+    args = {
+        "algorithm": "ERM",
+        "checkpoint_freq": None,
+        "data_dir": "/datasets",
+        "dataset": "VLCS",
+        "holdout_fraction": 0.2,
+        "hparams": None,
+        "hparams_seed": hparams_seed,
+        "output_dir": folder,
+        "save_model_every_checkpoint": False,
+        "seed": 1234567 + trial_seed,
+        "skip_model_save": False,
+        "steps": steps,
+        "task": "domain_generalization",
+        "test_envs": [test_env],
+        "trial_seed": trial_seed,
+        "uda_holdout_fraction": 0,
+    }
+    hparams = {
+        "batch_size": 32,
+        "class_balanced": False,
+        "data_augmentation": True,
+        "lr": 5e-5 * (1 + hparams_seed),
+        "nonlinear_classifier": False,
+        "resnet18": False,
+        "resnet_dropout": 0.0,
+        "weight_decay": 0.0,
+    }
+    with open(os.path.join(folder, "results.jsonl"), "w") as f:
+        for step, (val, test) in zip((0, 300, steps - 1)[: len(levels)], levels):
+            record = {
+                "args": args,
+                "hparams": hparams,
+                "step": step,
+                "epoch": step / 30,
+                "loss": 1.0,
+                "mem_gb": 3.2,
+                "step_time": 0.5,
+            }
+            for env in range(4):
+                record[f"env{env}_in_acc"] = test if env == test_env else 0.9
+                record[f"env{env}_out_acc"] = 0.5 if env == test_env else val
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+    if done:
+        with open(os.path.join(folder, "done"), "w") as f:
+            f.write("done")
+
+
+# (val, test) at the three steps, per (test env, trial seed, hparams seed).
+LEVELS = {
+    (0, 0, 0): [(0.6, 0.50), (0.8, 0.70), (0.7, 0.60)],  # best val 0.8 -> 0.70
+    (0, 0, 1): [(0.6, 0.50), (0.9, 0.72), (0.7, 0.60)],  # best val 0.9 -> 0.72 (chosen)
+    (0, 1, 0): [(0.95, 0.66), (0.8, 0.70), (0.7, 0.60)],  # 0.95 -> 0.66 (chosen)
+    (0, 1, 1): [(0.6, 0.50), (0.9, 0.80), (0.7, 0.60)],
+    (1, 0, 0): [(0.6, 0.40), (0.8, 0.60), (0.7, 0.50)],  # 0.8 -> 0.60 (chosen)
+    (1, 0, 1): [(0.6, 0.40), (0.7, 0.90), (0.7, 0.50)],
+    (1, 1, 0): [(0.6, 0.40), (0.8, 0.64), (0.9, 0.62)],  # 0.9 -> 0.62 (chosen)
+    (1, 1, 1): [(0.6, 0.40), (0.8, 0.64), (0.7, 0.50)],
+}
+
+
+def write_domainbed_sweep(root, interrupted=True):
+    for (env, trial, hp), levels in LEVELS.items():
+        # One run without `done` whose last record is the last step: finished.
+        write_domainbed_run(
+            root,
+            f"db_{env}_{trial}_{hp}",
+            test_env=env,
+            trial_seed=trial,
+            hparams_seed=hp,
+            levels=levels,
+            done=(env, trial, hp) != (1, 1, 1),
+        )
+    if not interrupted:
+        return
+    # Interrupted (no `done`, last step short of steps - 1): listed, never selected.
+    write_domainbed_run(
+        root,
+        "db_interrupted",
+        test_env=0,
+        trial_seed=0,
+        hparams_seed=7,
+        levels=[(1.0, 1.0), (1.0, 1.0)],
+        done=False,
+    )
+
+
+def test_domainbed_records_are_read_and_grouped_by_hparams_seed(tmp_path):
+    write_domainbed_sweep(str(tmp_path / "finished"), interrupted=False)
+    # DomainBed's own reader on its records (it reads unfinished runs too: none here).
+    tables = domainbed_tables(str(tmp_path / "finished"))
+    assert tables["VLCS"]["ERM"][:2] == ["69.0 +/- 2.1", "61.0 +/- 0.7"]
+    write_domainbed_sweep(str(tmp_path / "all"))
+    report = collect_results.build_report(str(tmp_path / "all"), "training_domain")
+    # Ours agrees, and leaves the interrupted run out. By hand: env 0: seeds 0.72, 0.66
+    # -> 69.0 +- 3 / sqrt(2); env 1: 0.60, 0.62 -> 61.0 +- 1 / sqrt(2). Per seed:
+    # (0.72 + 0.60) / 2 = 0.66, (0.66 + 0.62) / 2 = 0.64 -> 65.0 +- 1 / sqrt(2)
+    # (DomainBed's s.e.: population std / sqrt(n)).
+    assert "| ERM (DomainBed) | 65.0 ± 0.7 | 65.0 |" in report
+    vlcs = report.split("### VLCS")[1]
+    assert "| ERM (DomainBed) | 69.0 ± 2.1 | 61.0 ± 0.7 | 65.0 ± 0.7 |" in vlcs
+    assert "db_interrupted" in report.split("Notes:")[1]  # incomplete: listed, not used
+
+
+def test_our_and_domainbeds_records_in_one_table(tmp_path):
+    from test_collect_results import write_sweep  # the golden sweep of our records
+
+    write_sweep(str(tmp_path / "ours"))
+    write_domainbed_sweep(str(tmp_path / "domainbed"))
+    report = collect_results.build_report(str(tmp_path), "training_domain", pm="+/-")
+    table1 = report.split("### ")[1]
+    # PACS has no DomainBed runs; VLCS has 2 of the 3 trial seeds of the whole sweep.
+    assert "| ERM (DomainBed) | - | 65.0 +/- 0.7 (2/3) | - |" in table1
+    assert any(line.startswith("| SAGM | ") for line in table1.splitlines())
+    assert "±" not in report  # --pm +/-: DomainBed's sign everywhere, notes included
+
+
+def test_a_record_of_neither_kind_is_named(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "results.jsonl").write_text(json.dumps({"step": 0, "args": {}}) + "\n")
+    with pytest.raises(ValueError, match="neither 'config'.*nor 'args.hparams_seed'"):
+        collect_results.build_report(str(tmp_path))
+    with pytest.raises(ValueError, match="--pm"):
+        collect_results.build_report(str(tmp_path), pm="pm")
+
+
+# --- our records, read by DomainBed's reader ---------------------------------------
+
+
+def test_hparams_seed_names_the_setting_not_the_test_env_or_seed():
+    config = {"lr": 1e-5, "test_envs": [0], "all_test_envs": False, "trial_seed": 0, "seed": 0}
+    same = {**config, "test_envs": [0, 1], "trial_seed": 2, "seed": 2}
+    other = {**config, "lr": 3e-5}
+    assert train.hparams_seed(config) == train.hparams_seed(same)
+    assert train.hparams_seed(config) != train.hparams_seed(other)
+    assert 0 <= train.hparams_seed(config) < 2**31
+
+
+def write_pacs_tree(root, n=2):
+    """A stand-in PACS: its four domain folders, seven classes, tiny images."""
+    rng = np.random.default_rng(0)
+    for domain in ("art_painting", "cartoon", "photo", "sketch"):
+        for c in range(7):
+            os.makedirs(root / "PACS" / domain / f"class{c}")
+            for k in range(n):
+                pixels = rng.integers(0, 256, (12, 12, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(root / "PACS" / domain / f"class{c}" / f"{k}.png")
+
+
+@pytest.mark.slow
+def test_domainbeds_reader_prints_tables_from_our_sweep(tmp_path, monkeypatch):
+    """Two real 2-step jobs (two learning rates) on a stand-in PACS, through the launcher;
+    DomainBed's reader then selects between them by args.hparams_seed and prints PACS's
+    table, with the accuracy our collector selects."""
+    monkeypatch.setenv("XLA_FLAGS", "")  # one CPU device for the jobs
+    write_pacs_tree(tmp_path / "data")
+    fixed = {
+        "data_dir": str(tmp_path / "data"),
+        "arch": "mnist_cnn",
+        "pretrained_weights": "none",
+        "dropout": 0.0,
+        "image_size": 16,
+        "batch_per_env": 4,
+        "steps": 2,
+        "eval_every": 1,
+        "eval_batch_size": 8,
+        "cache_dir": str(tmp_path / "cache"),
+    }
+    output = str(tmp_path / "sweep")
+    jobs = sweep.make_jobs(["PACS"], ["erm"], ["0"], [0], {"lr": [1e-3, 1e-2]}, fixed, output)
+    result = sweep.launch(jobs, log=lambda _: None)
+    errors = [open(os.path.join(j.directory, "err.txt")).read()[-2000:] for j in jobs]
+    assert len(result["finished"]) == 2, errors
+    records = load_records(output)
+    assert all("hparams_seed" in r["args"] for r in records), (
+        "sagm_jax.train.run must write args.hparams_seed = hparams_seed(config_dict)"
+    )
+    seeds = {r["args"]["hparams_seed"] for r in records}
+    assert len(seeds) == 2  # one per setting
+    for r in records:
+        assert r["args"]["hparams_seed"] == train.hparams_seed(r["config"])
+    tables = domainbed_tables(output)
+    cell = tables["PACS"]["erm"][0]
+    ours = collect_results.select(
+        collect_results.group_runs(collect_results.load_runs(output)[0]), "training_domain"
+    )
+    (accuracy,) = ours.values()
+    assert cell == f"{100 * accuracy:.1f} +/- 0.0"
+    assert tables["PACS"]["erm"][1:] == ["X", "X", "X", "X"]  # envs 1-3 not run
+    # Without args.hparams_seed, DomainBed's reader fails as it did on our old records.
+    for job in jobs:
+        path = os.path.join(job.directory, "results.jsonl")
+        lines = [json.loads(line) for line in open(path)]
+        with open(path, "w") as f:
+            for r in lines:
+                del r["args"]["hparams_seed"]
+                f.write(json.dumps(r) + "\n")
+    with pytest.raises(KeyError, match="hparams_seed"):
+        domainbed_tables(output)

@@ -1,0 +1,189 @@
+"""sagm_jax.cli and the command line of sagm_jax.main: help, everything missing at once,
+user errors without traceback, one run per workdir, and Ctrl-C."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from sagm_jax import claims, cli
+from sagm_jax.config import FIELDS, base_config, mnist_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DIGITS = os.path.join("configs", "rotated_digits.py")
+
+
+def main(*args, timeout=300, **kwargs):
+    """``python -m sagm_jax.main ARGS`` from the repository root, on one CPU device."""
+    env = {**os.environ, "XLA_FLAGS": ""}
+    return subprocess.run(
+        [sys.executable, "-m", "sagm_jax.main", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=timeout,
+        **kwargs,
+    )
+
+
+def flat(text: str) -> str:
+    """Messages wrap at 100 columns; compare their words."""
+    return " ".join(text.split())
+
+
+def test_help_exits_0_and_lists_every_field_with_its_value_and_meaning():
+    result = main("--help", "--config=configs/pacs.py")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "--config.dataset=PACS" in out and "--config.lr=3e-05" in out  # the file's values
+    for fields in FIELDS.values():
+        for key, _, meaning in fields:
+            assert f"--config.{key}=" in out
+            assert meaning.split()[0] in out
+    assert "--workdir=DIR" in out and "--traceback" in out
+
+
+def test_the_bare_paper_command_lists_everything_missing_at_once():
+    result = main("--config=configs/pacs.py")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    err = flat(result.stderr)
+    assert "2 thing(s) to fix" in err
+    assert "--config.data_dir=DATA_DIR is missing" in err and "DATA_DIR/PACS/<domain>" in err
+    assert "python -m sagm_jax.data.verify --dataset=PACS --data_dir=DATA_DIR" in err
+    assert "--config.pretrained_weights=FILE is missing" in err
+    assert "https://download.pytorch.org/models/resnet50-0676ba61.pth" in err
+    assert "Getting the data" in err and "ImageNet weights" in err
+    assert "workdirs/PACS-sagm-test0-trial0-" in err  # where it would run
+    assert (
+        "python -m sagm_jax.main --config=configs/pacs.py --config.data_dir=DATA_DIR "
+        "--config.pretrained_weights=resnet50-0676ba61.pth" in err
+    )
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        ((), "--config is missing"),
+        (("--config=configs/nope.py",), "--config=configs/nope.py: no such file"),
+        ((f"--config={DIGITS}", "--config.steps=abc"), "config.steps expects int values"),
+        ((f"--config={DIGITS}", "--config.stepz=3"), "--config.stepz: no such key"),
+    ],
+)
+def test_command_line_errors_are_one_message_and_exit_2(args, message):
+    result = main(*args)
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert result.stderr.startswith("python -m sagm_jax.main: ")
+
+
+def test_bad_values_and_an_unwritable_workdir_are_listed_together(tmp_path):
+    (tmp_path / "file").write_text("")
+    config = mnist_config("RotatedDigits")
+    config.algorithm, config.dropout, config.test_envs = "adam", 2.0, ("x",)
+    workdir = str(tmp_path / "file" / "run")
+    with pytest.raises(cli.UsageError) as error:
+        cli.preflight(config, workdir, ["main", f"--workdir={workdir}"])
+    message = flat(str(error.value))
+    assert "4 thing(s) to fix" in message
+    for part in (
+        "config.algorithm='adam': expected one of erm",
+        "config.dropout=2.0",
+        "config.test_envs=('x',): expected environment indices",
+        f"--workdir={workdir}: {tmp_path / 'file'} is a file",
+    ):
+        assert part in message
+    config = mnist_config("RotatedDigits")
+    cli.preflight(config, str(tmp_path / "run"), ["main"])  # nothing to fix
+
+
+def test_missing_data_and_weights_files_are_named(tmp_path):
+    config = base_config()
+    config.update(dict(dataset="PACS", data_dir=str(tmp_path), pretrained_weights="w.pth"))
+    with pytest.raises(cli.UsageError) as error:
+        cli.preflight(config, str(tmp_path / "run"), ["main"])
+    message = flat(str(error.value))
+    assert f"--config.data_dir={tmp_path}: it has no PACS/ folder" in message
+    assert "--config.pretrained_weights=w.pth: no such file" in message
+    config.update(dict(dataset="ImageFolder", pretrained_weights="none"))
+    cli.preflight(config, str(tmp_path / "run"), ["main"])  # ImageFolder: data_dir itself
+
+
+def test_default_workdir_names_the_run_and_changes_with_the_config():
+    config = mnist_config("RotatedDigits")
+    first = cli.default_workdir(config)
+    assert first.startswith(os.path.join("workdirs", "RotatedDigits-sagm-test0-trial0-"))
+    assert cli.default_workdir(mnist_config("RotatedDigits")) == first
+    config.lr = 0.1
+    assert cli.default_workdir(config) != first
+
+
+def test_an_error_during_the_run_is_one_message(tmp_path):
+    (tmp_path / "data" / "only_one_domain").mkdir(parents=True)
+    result = main(
+        f"--config={DIGITS}",
+        f"--workdir={tmp_path / 'run'}",
+        "--config.dataset=ImageFolder",
+        f"--config.data_dir={tmp_path / 'data'}",
+    )
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr and "error:" in result.stderr
+    assert "--traceback shows where" in result.stderr
+
+
+def test_a_second_process_on_the_same_workdir_is_refused(tmp_path):
+    workdir = str(tmp_path / "run")
+    with claims.try_claim(workdir, "run.lock"):
+        result = main(f"--config={DIGITS}", f"--workdir={workdir}")
+    assert result.returncode == 2
+    assert "another process is training this run" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_cleanly_and_says_how_to_resume(tmp_path):
+    workdir = tmp_path / "run"
+    args = [
+        f"--config={DIGITS}",
+        f"--workdir={workdir}",
+        "--config.steps=60",
+        "--config.eval_every=5",
+        "--config.batch_per_env=8",
+    ]
+    env = {**os.environ, "XLA_FLAGS": ""}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sagm_jax.main", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=env,
+        # As a terminal's Ctrl-C finds it, even when pytest itself runs in the
+        # background of a shell (which starts it with SIGINT ignored).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    results = workdir / "results.jsonl"
+    deadline = time.monotonic() + 240
+    while not (results.exists() and results.read_text().count("\n") >= 2):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    try:
+        out, err = process.communicate(timeout=600)  # a loaded machine saves slowly
+    finally:
+        process.kill()
+    assert process.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert "Stopped." in err and "Resume from the last checkpoint with the same command" in err
+    assert f"python -m sagm_jax.main {' '.join(args)}" in err
+    steps = [json.loads(line)["step"] for line in results.read_text().splitlines()]
+    # The relaunch resumes where the records stopped (checkpoint of the last evaluation).
+    result = main(*args, timeout=900)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "resumed at step" in result.stdout
+    again = [json.loads(line)["step"] for line in results.read_text().splitlines()]
+    assert again[: len(steps) - 1] == steps[: len(steps) - 1] and again[-1] == 59
