@@ -36,13 +36,15 @@ import math
 
 import tensorflow as tf
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-CROP_SCALE = (0.7, 1.0)
-CROP_RATIO = (3.0 / 4.0, 4.0 / 3.0)
-JITTER = 0.3
-FLIP_PROB = 0.5
-GRAYSCALE_PROB = 0.1
+from sagm_jax.data.device_augment import (  # noqa: F401  one definition of the transform's constants
+    CROP_RATIO,
+    CROP_SCALE,
+    FLIP_PROB,
+    GRAYSCALE_PROB,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    JITTER,
+)
 
 
 def _uniform_int(seed, maxval):
