@@ -17,11 +17,11 @@ training domain x 3).
 - ``loop``: a PACS-like folder (4 domains x 7 classes of 227x227 JPEGs, written
   here) opened as training opens it (``train.dataset_from_config``: the decoded
   store, built once and timed), then ``--loop_steps`` steps of the real loop
-  (``train_iterator`` -> ``prefetch_to_mesh`` -> ``make_steps``' jitted step with the
+  (``train_iterator`` -> ``prefetch_to_mesh`` -> ``train_step.build_train_step``' jitted step with the
   device augmentation; the loss read every 10 steps as the run loop does), against
   the same step on one constant batch already on the device, in alternating
   chunks. Input-bound fraction = loop steps/s / constant-batch steps/s. Also: seconds
-  per evaluation pass over every split of the folder (``train.evaluate``).
+  per evaluation pass over every split of the folder (``evaluation.Evaluator``).
 """
 
 from __future__ import annotations
@@ -111,7 +111,6 @@ def section_loop(args, report):
     from sagm_jax import config as config_lib
     from sagm_jax import train
     from sagm_jax.data.pipeline import prefetch_to_mesh
-    from sagm_jax.train_step import create_train_state
 
     tmp = tempfile.mkdtemp(prefix="device_report_")
     folder = os.path.join(tmp, "data")
@@ -131,16 +130,13 @@ def section_loop(args, report):
         test_envs=(3,),
     )
     start = time.perf_counter()
-    dataset = train.dataset_from_config(config)
+    program = train.setup(config)  # opens the data (builds the store), model, steps
+    dataset, mesh, train_step, state = (
+        program.dataset, program.mesh, program.train_step, program.state
+    )
     n_images = sum(dataset.env_sizes)
     build = time.perf_counter() - start
-    print(f"opened, store built: {n_images} images in {build:.1f} s ({n_images / build:,.0f}/s)")
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("batch",))
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    model, variables, _ = train.model_from_config(config, dataset, jax.random.key(0))
-    optimizer = train.optimizer_from_config(config, axis_name="batch")
-    train_step, eval_step = train.make_steps(config, model, optimizer, mesh)
-    state = jax.device_put(create_train_state(variables, optimizer), replicated)
+    print(f"set up, store built: {n_images} images in {build:.1f} s ({n_images / build:,.0f}/s)")
     key = jax.random.key(1)
     batches = prefetch_to_mesh(
         dataset.train_iterator([0, 1, 2], seed=0, batch_per_env=config.batch_per_env), mesh
@@ -173,9 +169,9 @@ def section_loop(args, report):
     print(f"| constant batch on the device | {steps} | {steps / const:.2f} "
           f"| {steps * args.batch / const:,.0f} |")
     print(f"input-bound fraction (real / constant steps/s): {fraction:.3f}")
-    train.evaluate(eval_step, state, dataset, mesh, config, [0, 1, 2])  # compile
+    program.evaluator(state)  # compile
     start = time.perf_counter()
-    train.evaluate(eval_step, state, dataset, mesh, config, [0, 1, 2])
+    program.evaluator(state)
     evaluation = time.perf_counter() - start
     print(f"evaluation pass over all {n_images} images: {evaluation:.2f} s")
     report["loop"] = {

@@ -4,7 +4,7 @@
         --output_dir docs/study [--rhos 0,0.01,0.02,0.05,0.1,0.2] [--checkpoint latest]
 
 For every finished run under ``input_dir`` (a ``done`` file and ``config.json``),
-the run's parameters are restored from ``checkpoints/<checkpoint>`` and
+the run's parameters are restored (``sagm_jax.load_run``: latest or best) and
 ``sagm_jax.sharpness`` measures, on its TARGET domain ``D`` (every example of the
 run's test environment, "in" and "out" splits together, no augmentation, eval mode)::
 
@@ -26,14 +26,13 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import orbax.checkpoint as ocp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import sagm_jax  # noqa: E402
 from sagm_jax import train  # noqa: E402
 from sagm_jax.cli import quiet_tensorflow_import  # noqa: E402
-from sagm_jax.train_step import create_train_state, per_example_cross_entropy  # noqa: E402
+from sagm_jax.train_step import apply_model, per_example_cross_entropy  # noqa: E402
 
 DEFAULT_RHOS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2)
 
@@ -54,21 +53,12 @@ def finished_runs(input_dir: str) -> list[str]:
 
 
 def restore_run(workdir: str, checkpoint: str):
-    """The run's config, dataset, model and restored train state."""
+    """The run's config, dataset, model, variables and the step of its checkpoint
+    (``train.load_run``: the optimizer is not rebuilt, so per-device runs load too)."""
     with open(os.path.join(workdir, "config.json")) as f:
         config = ml_collections.ConfigDict(json.load(f))
-    dataset = train.dataset_from_config(config)
-    model, variables, _ = train.model_from_config(
-        config, dataset, jax.random.key(0), pretrained=False
-    )
-    state = create_train_state(variables, train.optimizer_from_config(config))
-    directory = os.path.abspath(os.path.join(workdir, "checkpoints", checkpoint))
-    manager = ocp.CheckpointManager(directory)
-    if manager.latest_step() is None:
-        raise FileNotFoundError(f"{directory} holds no checkpoint.")
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-    state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(abstract))
-    return config, dataset, model, state
+    model, variables, record = train.load_run(workdir, which=checkpoint)
+    return config, train.dataset_from_config(config), model, variables, record["step"]
 
 
 class TargetDomain:
@@ -83,19 +73,19 @@ class TargetDomain:
 
 
 def run_sharpness(workdir: str, rhos, checkpoint: str = "latest") -> list[dict]:
-    config, dataset, model, state = restore_run(workdir, checkpoint)
-    batch_stats = state.batch_stats
+    config, dataset, model, variables, step = restore_run(workdir, checkpoint)
 
     def loss_fn(params, batch):
-        variables = {"params": params, **({"batch_stats": batch_stats} if batch_stats else {})}
-        logits = model.apply(variables, batch["image"], train=False)
+        logits = apply_model(
+            model, params, variables["batch_stats"], batch["image"], jnp.float32
+        )
         losses = per_example_cross_entropy(logits, batch["label"])
         return jnp.sum(losses * batch["mask"]), jnp.sum(batch["mask"])
 
     entries = []
     for env in config.test_envs:
         result = sagm_jax.sharpness(
-            loss_fn, state.params, TargetDomain(dataset, env, config.eval_batch_size), rhos
+            loss_fn, variables["params"], TargetDomain(dataset, env, config.eval_batch_size), rhos
         )
         entries.append(
             {
@@ -107,7 +97,7 @@ def run_sharpness(workdir: str, rhos, checkpoint: str = "latest") -> list[dict]:
                 "test_env": int(env),
                 "env_name": dataset.env_names[env],
                 "checkpoint": checkpoint,
-                "step": int(state.step),
+                "step": int(step),
                 **result,
             }
         )

@@ -8,6 +8,7 @@ SLURM/Open MPI clusters are detected; elsewhere pass ``--coordinator_address``,
 checks, errors, Ctrl-C) is ``sagm_jax.cli``'s.
 """
 
+import os
 import signal
 import sys
 
@@ -42,6 +43,7 @@ def train(config, workdir: str) -> None:
         )
     from sagm_jax import claims, train as train_lib
 
+    had_workdir = os.path.exists(workdir)
     # One process trains a run directory at a time (the others' processes share it).
     claim = claims.try_claim(workdir, "run.lock") if jax.process_index() == 0 else None
     if jax.process_index() == 0 and claim is None:  # held until this process exits
@@ -49,7 +51,13 @@ def train(config, workdir: str) -> None:
             f"--workdir={workdir}: another process is training this run (it holds "
             f"{workdir}/run.lock); wait for it to finish, or choose another --workdir."
         )
-    train_lib.train_and_evaluate(config, workdir)
+    try:
+        train_lib.train_and_evaluate(config, workdir)
+    except BaseException:
+        if claim is not None and not had_workdir:
+            claim.release()
+            _remove_if_empty(workdir)
+        raise
     if _DISTRIBUTED.value:
         # Leave together: a process that exits while another still talks to the
         # coordinator (process 0) makes that one abort.
@@ -57,6 +65,17 @@ def train(config, workdir: str) -> None:
 
         multihost_utils.sync_global_devices("sagm_jax.main finished")
         jax.distributed.shutdown()
+
+
+def _remove_if_empty(workdir: str) -> None:
+    """Removes the run directory a failed start made, if nothing but its lock is in it."""
+    for root, dirs, files in os.walk(workdir, topdown=False):
+        if set(files) <= {"run.lock"} and not any(
+            os.path.exists(os.path.join(root, d)) for d in dirs
+        ):
+            for name in files:
+                os.remove(os.path.join(root, name))
+            os.rmdir(root)
 
 
 def main(argv):

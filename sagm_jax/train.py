@@ -1,27 +1,29 @@
-"""One training run (or one per test environment): data, model, loop, evaluation, records.
+"""The training program: one run (or one per test environment) from a config.
 
-Run directory (``workdir``)::
+``run`` reads as the loop it is: check the config and the run directory, set up (data,
+model, optimizer, steps, evaluator; nothing is written until all of it succeeded),
+restore, then step, log, evaluate, record, save. The parts live in their own modules:
 
-    config.json      the run's config
-    run_info.json    weights file and SHA-256, dataset fingerprint, devices, versions
-    split.json       split indices, file lists and dataset fingerprint (sagm_jax.data)
-    results.jsonl    one DomainBed-compatible record per evaluation
-    checkpoints/     orbax: latest/ (newest evaluation) and best/ (training-domain validation)
-    events.out.*     TensorBoard scalars (clu)
-    done             written last; a finished run is never trained again
+  rundir        config.json, run_info.json, split.json, results.jsonl, done
+  checkpoints   one orbax manager keeping the latest and the best checkpoint
+  evaluation    the evaluator: ``env{i}_{part}_acc`` of a state
+  train_step    the step, and the one place that decides the data-parallel mode
 
 Steps follow DomainBed: update ``t = 0 .. steps-1``; after update ``t`` the run
 evaluates when ``t % eval_every == 0`` or ``t == steps - 1`` and appends a record
 with ``step = t``, ``loss`` = the mean training loss since the last record, and
 ``env{i}_{part}_acc`` for every environment and split part. The record is written
-(and flushed) BEFORE the checkpoint of that step, so after a kill at any point
-the restart restores the newest checkpoint (state ``step = s``), drops records
-with ``step >= s`` and repeats exactly what was lost: batches, dropout masks and
-augmentations are functions of ``(seed, step)``.
+(and flushed) BEFORE the checkpoint of that step (``checkpoints/<t>``), so after a
+kill at any point the restart restores the newest checkpoint (state ``step = s + 1``),
+drops records with ``step > s`` and repeats exactly what was lost: batches, dropout
+masks and augmentations are functions of ``(seed, step)``.
+
+``load_run(workdir, which)`` gives a finished run's model, variables and record.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -31,21 +33,21 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 from sagm_jax import data as data_lib
 from sagm_jax import models
-from sagm_jax.data import device_augment
-from sagm_jax.data.pipeline import prefetch_to_mesh
+from sagm_jax.checkpoints import Checkpoints, restore_variables, saved_steps
 from sagm_jax.config import validate
+from sagm_jax.data.pipeline import prefetch_to_mesh
+from sagm_jax.evaluation import Evaluator, validation_accuracy
 from sagm_jax.optimizers import paper_optimizer
+from sagm_jax.rundir import CONFIG, DONE, RESULTS, RUN_INFO, RunDir, read_records
 from sagm_jax.selection import training_domain_validation
-from sagm_jax.train_step import create_train_state, make_train_step
+from sagm_jax.train_step import build_train_step, create_train_state
 
-RESULTS = "results.jsonl"
-DONE = "done"
+__all__ = ["DONE", "RESULTS", "load_run", "read_records", "run", "train_and_evaluate"]
 
 
 def optimizer_from_config(config: ml_collections.ConfigDict, axis_name=None):
@@ -96,21 +98,20 @@ def dataset_from_config(config: ml_collections.ConfigDict, *, open_images: bool 
     return dataset
 
 
-def model_from_config(config, dataset, key, pretrained: bool = True):
-    """The network and its variables, with the pretrained backbone of
-    ``config.pretrained_weights`` unless ``pretrained=False`` (the caller restores
-    a checkpoint instead). Returns ``(model, variables, weights_info)``."""
+def model_from_config(config, num_classes: int, input_shape, key, pretrained: bool = True):
+    """The network and its variables (input ``[1, *input_shape]``), with the pretrained
+    backbone of ``config.pretrained_weights`` unless ``pretrained=False`` (the caller
+    restores a checkpoint instead). Returns ``(model, variables, weights_info)``."""
     model = models.create(
         config.arch,
-        dataset.num_classes,
+        num_classes,
         dropout_rate=config.dropout,
         freeze_batchnorm=config.freeze_batchnorm,
         mixstyle_after=tuple(config.mixstyle_after) if config.mixstyle else (),
-        input_channels=dataset.input_shape[-1],
+        input_channels=input_shape[-1],
         cnn_widths=tuple(config.cnn_widths),
     )
-    sample = jnp.zeros((1, *dataset.input_shape), jnp.float32)
-    variables = model.init(key, sample, train=False)
+    variables = model.init(key, jnp.zeros((1, *input_shape), jnp.float32), train=False)
     weights = {"file": None, "sha256": None}
     if pretrained and config.pretrained_weights and config.pretrained_weights.lower() != "none":
         state_dict, sha256 = models.load_weights(config.pretrained_weights)
@@ -120,161 +121,25 @@ def model_from_config(config, dataset, key, pretrained: bool = True):
     return model, variables, weights
 
 
-def _write_json(path, obj):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True, default=str)
-    os.replace(tmp, path)
+@dataclasses.dataclass
+class Program:
+    """Everything a run needs, built by :func:`setup` before anything is written."""
+
+    dataset: Any
+    test_envs: list[int]
+    train_envs: list[int]
+    mesh: jax.sharding.Mesh
+    model: Any
+    state: Any  # the initial TrainState, replicated on the mesh
+    train_step: Any
+    evaluator: Evaluator
+    run_info: dict
 
 
-def read_records(workdir: str) -> list[dict]:
-    path = os.path.join(workdir, RESULTS)
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def _keep_records_before(workdir: str, step: int) -> list[dict]:
-    """Rewrites results.jsonl without records of steps a restored state has not done."""
-    records = [r for r in read_records(workdir) if r["step"] < step]
-    path = os.path.join(workdir, RESULTS)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in records)
-    os.replace(tmp, path)
-    return records
-
-
-def _append_record(workdir: str, record: dict) -> None:
-    with open(os.path.join(workdir, RESULTS), "a") as f:
-        f.write(json.dumps(record, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _check_same_config(workdir: str, config_dict: dict) -> None:
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        previous = json.load(f)
-    current = json.loads(json.dumps(config_dict, default=str))
-    changed = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
-    if changed:
-        raise ValueError(
-            f"{path} holds a run with a different config (keys {changed} differ); resuming it "
-            "would mix two runs. Use another --workdir, or delete that directory."
-        )
-
-
-def make_steps(config, model, optimizer, mesh):
-    """The run's jitted ``train_step(state, batch, key)`` and ``eval_step(params,
-    batch_stats, batch)``. The data-parallel mode is decided here: 'global' is one
-    jitted program over the sharded batch; 'per_device' (m-sharpness) runs the step
-    per device under ``shard_map``. Both start with ``device_augment.model_inputs``,
-    which augments uint8 image-folder batches on the device."""
-    compute_dtype = jnp.dtype(config.compute_dtype)
-    step_fn = make_train_step(
-        model,
-        optimizer,
-        algorithm=config.algorithm,
-        use_mixstyle=config.mixstyle,
-        train_batchnorm=not config.freeze_batchnorm,
-        shared_dropout=config.shared_dropout,
-        compute_dtype=compute_dtype,
-        axis_name="batch" if config.perturbation == "per_device" else None,
-    )
-    if config.perturbation == "per_device":
-        # m-sharpness: each device differentiates its own shard (check_vma=False keeps
-        # gradients of replicated parameters local, as under pmap).
-        step_fn = jax.shard_map(
-            step_fn,
-            mesh=mesh,
-            in_specs=(P(), P("batch"), P()),
-            out_specs=(P(), P()),
-            check_vma=False,
-        )
-
-    def train_step(state, batch, key):
-        batch = device_augment.model_inputs(batch, config.seed, state.step, config.image_size)
-        return step_fn(state, batch, key)
-
-    eval_step = make_eval_step(model, compute_dtype, config.seed, config.image_size)
-    return jax.jit(train_step, donate_argnums=0), eval_step
-
-
-def make_eval_step(model, compute_dtype, seed: int = 0, image_size: int = 224):
-    def eval_step(params, batch_stats, batch):
-        batch = device_augment.model_inputs(
-            batch, seed, 0, image_size, stream=device_augment.EVAL_STREAM
-        )
-        variables = {"params": jax.tree.map(lambda p: p.astype(compute_dtype), params)}
-        if batch_stats:
-            variables["batch_stats"] = batch_stats
-        logits = model.apply(variables, batch["image"].astype(compute_dtype), train=False)
-        correct = (jnp.argmax(logits, -1) == batch["label"]) & batch["mask"]
-        return jnp.sum(correct), jnp.sum(batch["mask"])
-
-    return jax.jit(eval_step)
-
-
-def evaluate(eval_step, state, dataset, mesh, config, train_envs) -> dict:
-    """``env{i}_{part}_acc`` over every example of every split part of every environment."""
-    accuracies = {}
-    for env in range(len(dataset.env_names)):
-        for part in dataset.splits[env]:
-            augment = config.augment_validation and part == "out" and env in train_envs
-            batches = dataset.eval_iterator(
-                env,
-                part,
-                batch_size=config.eval_batch_size,
-                augment=augment,
-                seed=config.seed,
-                batch_multiple=mesh.devices.size,
-            )
-            counts = [
-                eval_step(state.params, state.batch_stats, batch)
-                for batch in prefetch_to_mesh(batches, mesh)
-            ]
-            correct = sum(int(c) for c, _ in counts)
-            total = sum(int(n) for _, n in counts)
-            accuracies[f"env{env}_{part}_acc"] = correct / total if total else float("nan")
-    return accuracies
-
-
-def _checkpoint_managers(workdir: str):
-    directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
-    latest = ocp.CheckpointManager(
-        os.path.join(directory, "latest"),
-        options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True),
-    )
-    best = ocp.CheckpointManager(
-        os.path.join(directory, "best"),
-        options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True),
-    )
-    return latest, best
-
-
-def _all_finite(tree) -> bool:
-    return bool(jax.tree.reduce(lambda a, x: a & jnp.all(jnp.isfinite(x)), tree, jnp.array(True)))
-
-
-def run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
-    """Trains one run with ``config.test_envs`` held out; returns its records."""
-    validate(config)
-    is_main = jax.process_index() == 0
-    os.makedirs(workdir, exist_ok=True)
-    if os.path.exists(os.path.join(workdir, DONE)):
-        records = read_records(workdir)
-        print(f"{workdir}: already done; not training again.")
-        print_summary(records, list(config.test_envs))
-        return records
-
-    dataset = dataset_from_config(config)
+def _environments(config, dataset) -> tuple[list[int], list[int]]:
     n_envs = len(dataset.env_names)
     test_envs = [int(e) for e in config.test_envs]
-    if not test_envs or any(not 0 <= e < n_envs for e in test_envs):
+    if any(not 0 <= e < n_envs for e in test_envs):
         raise ValueError(
             f"config.test_envs={tuple(config.test_envs)}: expected indices in "
             f"0..{n_envs - 1} of {config.dataset}'s environments {dataset.env_names}."
@@ -284,36 +149,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
         raise ValueError(
             f"config.test_envs={tuple(config.test_envs)} leaves no training environment."
         )
+    return test_envs, train_envs
 
-    config_dict = config.to_dict()
-    if is_main:
-        _check_same_config(workdir, config_dict)
-        _write_json(os.path.join(workdir, "config.json"), config_dict)
-        dataset.write_split(workdir)
-        if dataset.skipped:
-            print(f"Skipped {len(dataset.skipped)} unreadable files (listed in split.json).")
 
-    init_key, step_key = jax.random.split(jax.random.key(config.seed))
-    model, variables, weights = model_from_config(config, dataset, init_key)
-    if is_main:
-        _write_json(
-            os.path.join(workdir, "run_info.json"),
-            {
-                "weights": weights,
-                "dataset": config.dataset,
-                "env_names": dataset.env_names,
-                "fingerprint": dataset.fingerprint,
-                "train_envs": train_envs,
-                "test_envs": test_envs,
-                "devices": [str(d) for d in jax.devices()],
-                "process_count": jax.process_count(),
-                "jax": jax.__version__,
-                "python": platform.python_version(),
-            },
-        )
-
+def _mesh(config, train_envs) -> jax.sharding.Mesh:
     devices = jax.devices()[: config.num_devices or None]
-    mesh = jax.sharding.Mesh(np.array(devices), ("batch",))
     for key, size in (
         ("batch_per_env * len(train_envs)", config.batch_per_env * len(train_envs)),
         ("eval_batch_size", config.eval_batch_size),
@@ -324,131 +164,212 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
                 "choose config.batch_per_env / config.eval_batch_size, or "
                 "config.num_devices, so that it does."
             )
-    replicated = NamedSharding(mesh, P())
+    return jax.sharding.Mesh(np.array(devices), ("batch",))
+
+
+def setup(config: ml_collections.ConfigDict) -> Program:
+    """Opens the data, builds the model, optimizer, steps and evaluator: every check
+    that can fail runs here, before the run directory is written."""
+    dataset = dataset_from_config(config)
+    test_envs, train_envs = _environments(config, dataset)
+    mesh = _mesh(config, train_envs)
+    init_key = jax.random.split(jax.random.key(config.seed))[0]
+    model, variables, weights = model_from_config(
+        config, dataset.num_classes, dataset.input_shape, init_key
+    )
     optimizer = optimizer_from_config(config, axis_name="batch")
-    train_step, eval_step = make_steps(config, model, optimizer, mesh)
-    state = jax.device_put(create_train_state(variables, optimizer), replicated)
+    state = jax.device_put(create_train_state(variables, optimizer), NamedSharding(mesh, P()))
+    run_info = {
+        "weights": weights,
+        "dataset": config.dataset,
+        "env_names": dataset.env_names,
+        "num_classes": dataset.num_classes,
+        "input_shape": list(dataset.input_shape),
+        "fingerprint": dataset.fingerprint,
+        "train_envs": train_envs,
+        "test_envs": test_envs,
+        "devices": [str(d) for d in jax.devices()],
+        "process_count": jax.process_count(),
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+    }
+    return Program(
+        dataset=dataset,
+        test_envs=test_envs,
+        train_envs=train_envs,
+        mesh=mesh,
+        model=model,
+        state=state,
+        train_step=build_train_step(config, model, optimizer, mesh),
+        evaluator=Evaluator(model, dataset, mesh, config, train_envs),
+        run_info=run_info,
+    )
 
-    latest, best = _checkpoint_managers(workdir) if config.checkpoint else (None, None)
-    records = []
-    if latest is not None and latest.latest_step() is not None:
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-        state = latest.restore(latest.latest_step(), args=ocp.args.StandardRestore(abstract))
-        records = _keep_records_before(workdir, int(state.step)) if is_main else []
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
+    """Trains one run with ``config.test_envs`` held out; returns its records."""
+    validate(config)
+    rundir = RunDir(workdir, is_main=jax.process_index() == 0)
+    config_dict = config.to_dict()
+    rundir.check_config(config_dict)  # first, finished run or not
+    if rundir.done:
+        return _finished(rundir, config)
+    program = setup(config)
+    rundir.start(config_dict, program.run_info, program.dataset)
+    if rundir.is_main and program.dataset.skipped:
+        print(f"Skipped {len(program.dataset.skipped)} unreadable files (listed in split.json).")
+    checkpoints = Checkpoints(workdir, enabled=config.checkpoint)
+    state = checkpoints.restore_latest(program.state)
+    if state is None:
+        state = program.state
+    else:
         print(f"{workdir}: resumed at step {int(state.step)}.")
-    elif is_main:
-        _keep_records_before(workdir, 0)
-    start = int(state.step)
-    best_validation = max((_validation(r, train_envs) for r in records), default=-1.0)
+    records = rundir.records_before(int(state.step))
+    records += _train(config, program, rundir, checkpoints, state)
+    rundir.mark_done()
+    if rundir.is_main:
+        print_summary(records, program.test_envs, program.dataset.env_names)
+    return records
 
-    writer = _metric_writer(workdir, is_main)
+
+def _finished(rundir: RunDir, config) -> list[dict]:
+    records = read_records(rundir.workdir)
+    if rundir.is_main:
+        with open(os.path.join(rundir.workdir, RUN_INFO)) as f:
+            env_names = json.load(f)["env_names"]
+        print(f"{rundir.workdir}: already done; not training again.")
+        print_summary(records, list(config.test_envs), env_names)
+    return records
+
+
+def _train(config, program: Program, rundir: RunDir, checkpoints: Checkpoints, state):
+    """Steps from ``state.step`` to ``config.steps``; returns the new records."""
+    start, records = int(state.step), []
+    step_key = jax.random.split(jax.random.key(config.seed))[1]
+    writer = _metric_writer(rundir.workdir, rundir.is_main)
     batches = prefetch_to_mesh(
-        dataset.train_iterator(
-            train_envs, seed=config.seed, batch_per_env=config.batch_per_env, start_step=start
+        program.dataset.train_iterator(
+            program.train_envs,
+            seed=config.seed,
+            batch_per_env=config.batch_per_env,
+            start_step=start,
         ),
-        mesh,
+        program.mesh,
     )
     loss_sum, loss_count = jnp.zeros([], jnp.float32), 0
     progress = tqdm(
-        total=config.steps, initial=start, unit="step", disable=not is_main, dynamic_ncols=True
+        total=config.steps,
+        initial=start,
+        unit="step",
+        disable=not rundir.is_main,
+        dynamic_ncols=True,
     )
     try:
         for t in range(start, config.steps):
-            state, metrics = train_step(state, next(batches), step_key)
+            state, metrics = program.train_step(state, next(batches), step_key)
             loss_sum, loss_count = loss_sum + metrics["loss"], loss_count + 1
             progress.update(1)
             if t % config.log_every == 0:
-                loss = float(metrics["loss"])
-                if not np.isfinite(loss):
-                    _stop_non_finite(workdir, t, loss, latest)
+                loss = _finite_loss(float(metrics["loss"]), t, checkpoints, rundir)
                 progress.set_postfix(loss=f"{loss:.4f}")
                 writer.write_scalars(t, {"train/loss": loss})
             if t % config.eval_every == 0 or t == config.steps - 1:
-                mean_loss = float(loss_sum) / loss_count
-                if not (np.isfinite(mean_loss) and _all_finite(state.params)):
-                    _stop_non_finite(workdir, t, mean_loss, latest)
-                record = {
-                    "step": t,
-                    "loss": mean_loss,
-                    "epoch": (t + 1)
-                    * config.batch_per_env
-                    / min(len(dataset.splits[e]["in"]) for e in train_envs),
-                    **evaluate(eval_step, state, dataset, mesh, config, train_envs),
-                    "args": {
-                        "dataset": config.dataset,
-                        "algorithm": config.algorithm,
-                        "test_envs": test_envs,
-                        "trial_seed": config.trial_seed,
-                        "seed": config.seed,
-                        "hparams_seed": hparams_seed(config_dict),
-                        "output_dir": os.path.abspath(workdir),
-                    },
-                    "hparams": {
-                        k: config_dict[k]
-                        for k in (
-                            "lr",
-                            "weight_decay",
-                            "dropout",
-                            "rho",
-                            "alpha",
-                            "batch_per_env",
-                            "combine",
-                            "mixstyle",
-                            "perturbation",
-                        )
-                    },
-                    "config": config_dict,
-                }
-                if is_main:
-                    _append_record(workdir, record)
+                mean_loss = _finite_loss(float(loss_sum) / loss_count, t, checkpoints, rundir)
+                if not _all_finite(state.params):
+                    _stop_non_finite(rundir.workdir, t, mean_loss, checkpoints)
+                accuracies = program.evaluator(state)
+                record = _record(config, program, rundir.workdir, t, mean_loss, accuracies)
+                rundir.append(record)  # before the checkpoint: see the module docstring
                 records.append(record)
                 writer.write_scalars(t, {k: v for k, v in record.items() if k.endswith("_acc")})
-                if latest is not None:
-                    latest.save(t + 1, args=ocp.args.StandardSave(state))
-                    validation = _validation(record, train_envs)
-                    if validation > best_validation:
-                        best_validation = validation
-                        if jax.process_count() > 1:
-                            # Two managers' asynchronous saves at once can deadlock
-                            # their cross-process barriers: one at a time.
-                            latest.wait_until_finished()
-                        best.save(t + 1, args=ocp.args.StandardSave(state))
-                        if jax.process_count() > 1:
-                            best.wait_until_finished()
+                checkpoints.save(t, state, validation_accuracy(record, program.train_envs))
                 loss_sum, loss_count = jnp.zeros([], jnp.float32), 0
     finally:  # a pending asynchronous save completes even when the loop fails
         batches.close()  # stops the prefetching thread
         progress.close()
-        if latest is not None:
-            latest.wait_until_finished()
-            best.wait_until_finished()
+        checkpoints.wait()
     writer.flush()
-    if is_main:
-        with open(os.path.join(workdir, DONE), "w") as f:
-            f.write("done\n")
-        print_summary(records, test_envs, dataset.env_names)
     return records
 
 
-def _validation(record: dict, train_envs) -> float:
-    return float(np.mean([record[f"env{e}_out_acc"] for e in train_envs]))
+def _record(config, program: Program, workdir: str, step: int, loss: float, accuracies) -> dict:
+    """The DomainBed-compatible record of evaluation ``step``."""
+    config_dict = config.to_dict()
+    smallest_env = min(len(program.dataset.splits[e]["in"]) for e in program.train_envs)
+    setting = {k: v for k, v in config_dict.items() if k not in NOT_HPARAMS}
+    return {
+        "step": step,
+        "loss": loss,
+        "epoch": (step + 1) * config.batch_per_env / smallest_env,
+        **accuracies,
+        "args": {
+            "dataset": config.dataset,
+            "algorithm": config.algorithm,
+            "test_envs": program.test_envs,
+            "trial_seed": config.trial_seed,
+            "seed": config.seed,
+            "hparams_seed": hparams_seed(config_dict),
+            "output_dir": os.path.abspath(workdir),
+        },
+        "hparams": setting,
+        "config": config_dict,
+    }
 
 
-def _stop_non_finite(workdir, step, loss, latest):
-    if latest is not None:
-        latest.wait_until_finished()
+def _all_finite(tree) -> bool:
+    return bool(jax.tree.reduce(lambda a, x: a & jnp.all(jnp.isfinite(x)), tree, jnp.array(True)))
+
+
+def _finite_loss(loss: float, step: int, checkpoints, rundir) -> float:
+    if not np.isfinite(loss):
+        _stop_non_finite(rundir.workdir, step, loss, checkpoints)
+    return loss
+
+
+def _stop_non_finite(workdir, step, loss, checkpoints: Checkpoints):
+    checkpoints.wait()
+    latest = checkpoints.latest_step()
     kept = (
         "no checkpoint yet"
-        if latest is None or latest.latest_step() is None
-        else (
-            f"the last good checkpoint, step {latest.latest_step()}, is kept in "
-            f"{os.path.join(workdir, 'checkpoints', 'latest')}"
-        )
+        if latest is None
+        else f"the last good checkpoint, step {latest}, is kept in "
+        f"{os.path.join(workdir, 'checkpoints', str(latest))}"
     )
     raise FloatingPointError(
         f"Non-finite training loss ({loss}) or parameters at step {step}; stopping. {kept}. "
         "Lower config.lr, or check the data."
     )
+
+
+def load_run(workdir: str, which: str | int = "best"):
+    """A trained run, for inference or analysis: ``(model, variables, record)``.
+
+    ``which``: ``"best"`` (the step training-domain validation selects, as the summary
+    and the tables do), ``"latest"``, or a step number of a kept checkpoint. ``model``
+    is the Flax module, ``variables`` its ``{'params', 'batch_stats'}``; apply it as
+    ``model.apply(variables, images_nhwc, train=False)`` to images prepared as the run's
+    evaluation prepares them. ``record`` is the results.jsonl record of that step.
+    Nothing of the optimizer is rebuilt, so any run (any algorithm, per-device
+    perturbation included) loads the same way.
+    """
+    with open(os.path.join(workdir, CONFIG)) as f:
+        config = ml_collections.ConfigDict(json.load(f))
+    with open(os.path.join(workdir, RUN_INFO)) as f:
+        info = json.load(f)
+    records = read_records(workdir)
+    if which == "best":
+        step = training_domain_validation(records, config.test_envs)["step"]
+    elif which == "latest":
+        step = max(saved_steps(workdir), default=None)
+    else:
+        step = int(which)
+    if step is None:
+        raise FileNotFoundError(f"{workdir} holds no checkpoint.")
+    model = model_from_config(
+        config, info["num_classes"], info["input_shape"], jax.random.key(0), pretrained=False
+    )[0]
+    record = next((r for r in records if r["step"] == step), None)
+    return model, restore_variables(workdir, step), record
 
 
 class _NoTensorBoard:
@@ -521,6 +442,23 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{s:02d}s" if hours else f"{minutes}m{s:02d}s"
 
 
+def _test_accuracy_table(config, env_names, accuracies: dict) -> str:
+    """The markdown table of one test accuracy per environment and their average."""
+    average = 100 * np.mean(list(accuracies.values()))
+    return "\n".join(
+        [
+            f"{config.dataset} / {config.algorithm}, test accuracy (training-domain "
+            f"validation), % (the 'in' split of each test environment):",
+            "",
+            "| " + " | ".join(["test environment", *env_names, "Avg"]) + " |",
+            "|---|" + ":-:|" * (len(env_names) + 1),
+            "| accuracy | "
+            + " | ".join(f"{100 * a:.1f}" for a in accuracies.values())
+            + f" | {average:.1f} |",
+        ]
+    )
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Any:
     """Runs ``config.test_envs``, or every environment in turn with ``config.all_test_envs``
     (then prints the table of test accuracies and writes it to ``workdir/results.md``).
@@ -540,19 +478,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Any:
             env_config.test_envs, env_config.all_test_envs = (env,), False
             records = run(env_config, os.path.join(workdir, f"test_env{env}"))
             result[env] = training_domain_validation(records, [env])[f"env{env}_in_acc"]
-        average = 100 * np.mean(list(result.values()))
-        table = "\n".join(
-            [
-                f"{config.dataset} / {config.algorithm}, test accuracy (training-domain "
-                f"validation), % (the 'in' split of each test environment):",
-                "",
-                "| " + " | ".join(["test environment", *env_names, "Avg"]) + " |",
-                "|---|" + ":-:|" * (len(env_names) + 1),
-                "| accuracy | "
-                + " | ".join(f"{100 * a:.1f}" for a in result.values())
-                + f" | {average:.1f} |",
-            ]
-        )
+        table = _test_accuracy_table(config, env_names, result)
         if is_main:
             with open(os.path.join(workdir, "results.md"), "w") as f:
                 f.write(table + "\n")

@@ -1,4 +1,18 @@
-"""The train state and the jitted train step shared by training and benchmarks.
+"""The train state, the one function that applies a model, and the train step.
+
+``make_train_step`` is the pure step of one device's data; ``build_train_step`` is the
+one place that decides the data-parallel mode around it and jits it:
+
+* ``perturbation='global'``: one jitted program over the batch sharded on the mesh's
+  ``batch`` axis; XLA inserts the reductions, so the step equals the one-device step.
+* ``perturbation='per_device'`` (m-sharpness): the step runs per device under
+  ``shard_map``; each device perturbs with its own shard's gradient, and the optimizer
+  averages the final direction over the ``batch`` axis for EVERY algorithm (ERM
+  included, see ``optimizers.paper_optimizer``), so the replicated parameters and
+  optimizer state stay equal on every device.
+
+Both start with ``device_augment.model_inputs``, which augments uint8 image-folder
+batches on the device.
 
 One step, for every algorithm (the optimizer decides how many gradients it needs):
 
@@ -29,6 +43,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
+
+from sagm_jax.data import device_augment
 
 
 @flax.struct.dataclass
@@ -47,6 +64,17 @@ def create_train_state(variables, optimizer: optax.GradientTransformation) -> Tr
         batch_stats=variables.get("batch_stats", {}),
         opt_state=optimizer.init(params),
     )
+
+
+def apply_model(model: nn.Module, params, batch_stats, images, compute_dtype, **kwargs):
+    """``model.apply`` on ``images`` with the parameters and images cast to
+    ``compute_dtype`` (BatchNorm statistics as stored). ``kwargs`` go to ``model.apply``
+    (``train`` defaults to False; ``mixstyle``, ``rngs``, ``mutable``)."""
+    variables = {"params": jax.tree.map(lambda p: p.astype(compute_dtype), params)}
+    if batch_stats:
+        variables["batch_stats"] = batch_stats
+    kwargs.setdefault("train", False)
+    return model.apply(variables, images.astype(compute_dtype), **kwargs)
 
 
 def per_example_cross_entropy(logits, labels) -> jax.Array:
@@ -81,13 +109,13 @@ def make_train_step(
     clean_mixstyle = use_mixstyle and algorithm != "sagm"
 
     def loss_fn(params, batch_stats, batch, key, mixstyle):
-        variables = {"params": jax.tree.map(lambda p: p.astype(compute_dtype), params)}
-        if batch_stats:
-            variables["batch_stats"] = batch_stats
         dropout_key, mixstyle_key = jax.random.split(key)
-        outputs = model.apply(
-            variables,
-            batch["image"].astype(compute_dtype),
+        outputs = apply_model(
+            model,
+            params,
+            batch_stats,
+            batch["image"],
+            compute_dtype,
             train=True,
             mixstyle=mixstyle,
             rngs={"dropout": dropout_key, "mixstyle": mixstyle_key},
@@ -122,3 +150,36 @@ def make_train_step(
         return state, {"loss": loss}
 
     return train_step
+
+
+def build_train_step(config, model: nn.Module, optimizer, mesh):
+    """The run's jitted ``train_step(state, batch, key) -> (state, metrics)`` for the
+    data-parallel mode ``config.perturbation`` on ``mesh`` (see the module docstring).
+    ``optimizer`` must have been built with ``axis_name='batch'`` for 'per_device'."""
+    per_device = config.perturbation == "per_device"
+    step_fn = make_train_step(
+        model,
+        optimizer,
+        algorithm=config.algorithm,
+        use_mixstyle=config.mixstyle,
+        train_batchnorm=not config.freeze_batchnorm,
+        shared_dropout=config.shared_dropout,
+        compute_dtype=jnp.dtype(config.compute_dtype),
+        axis_name="batch" if per_device else None,
+    )
+    if per_device:
+        # check_vma=False keeps gradients of replicated parameters local, as under pmap;
+        # the optimizer's pmean makes the outputs replicated, as out_specs declares.
+        step_fn = jax.shard_map(
+            step_fn,
+            mesh=mesh,
+            in_specs=(P(), P("batch"), P()),
+            out_specs=(P(), P()),
+            check_vma=False,
+        )
+
+    def train_step(state, batch, key):
+        batch = device_augment.model_inputs(batch, config.seed, state.step, config.image_size)
+        return step_fn(state, batch, key)
+
+    return jax.jit(train_step, donate_argnums=0)

@@ -9,7 +9,6 @@ import time
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 from PIL import Image
 
@@ -39,9 +38,7 @@ def digits_config(**overrides):
 
 
 def restore_params(workdir, which="latest"):
-    manager = ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints", which))
-    restored = manager.restore(manager.latest_step())
-    return restored["params"]
+    return train.load_run(str(workdir), which)[1]["params"]
 
 
 def test_rotated_digits_end_to_end(tmp_path):
@@ -58,7 +55,9 @@ def test_rotated_digits_end_to_end(tmp_path):
     for name in ("config.json", "run_info.json", "split.json", "done"):
         assert os.path.exists(tmp_path / name), name
     assert any(n.startswith("events.out.tfevents") for n in os.listdir(tmp_path))
-    assert os.listdir(tmp_path / "checkpoints" / "latest") == ["5"]
+    # Checkpoints are named by record steps: the latest (4) and the selected one.
+    best = train.load_run(str(tmp_path), "best")[2]["step"]
+    assert sorted(map(int, os.listdir(tmp_path / "checkpoints"))) == sorted({best, 4})
     # A finished run is not trained again.
     again = train.train_and_evaluate(digits_config(), str(tmp_path))
     assert [r["step"] for r in again] == [0, 2, 4]
@@ -269,7 +268,63 @@ def test_a_workdir_with_another_config_is_refused(tmp_path):
 
 def test_batch_that_does_not_divide_among_devices_is_named(tmp_path):
     with pytest.raises(ValueError, match="config.batch_per_env.*= 15 does not divide among 8"):
-        train.train_and_evaluate(digits_config(batch_per_env=3), str(tmp_path))
+        train.train_and_evaluate(digits_config(batch_per_env=3), str(tmp_path / "run"))
+    # Nothing was written, so following the error's advice in the same workdir works.
+    assert not os.path.exists(tmp_path / "run")
+    records = train.train_and_evaluate(digits_config(steps=1), str(tmp_path / "run"))
+    assert [r["step"] for r in records] == [0]
+
+
+def test_a_finished_run_relaunched_with_another_config_is_refused(tmp_path, capsys):
+    """Relaunching a done run with other test_envs must not print its old results
+    under the new labels (a training environment shown as the test one)."""
+    train.train_and_evaluate(digits_config(steps=1), str(tmp_path))
+    assert os.path.exists(tmp_path / "done")
+    capsys.readouterr()
+    with pytest.raises(ValueError, match=r"different config \(keys \['test_envs'\]"):
+        train.train_and_evaluate(digits_config(steps=1, test_envs=(1,)), str(tmp_path))
+    assert "Selected step" not in capsys.readouterr().out
+
+
+def test_an_empty_split_part_is_refused_before_anything_is_written(tmp_path):
+    """Two images per domain leave the 'out' parts empty (2 x 0.2 rounds to 0): their
+    accuracy would be NaN, which no checkpoint comparison can rank."""
+    write_image_tree(tmp_path / "data", classes=("cat",), n=2)
+    config = base_config()
+    config.update(
+        dataset="ImageFolder",
+        data_dir=str(tmp_path / "data"),
+        arch="mnist_cnn",
+        cache_dir=str(tmp_path / "cache"),
+        image_size=16,
+        batch_per_env=8,
+        test_envs=(1,),
+    )
+    with pytest.raises(ValueError, match=r"Empty split parts: env0 \(art\) 'out'.*holdout_fraction"):
+        train.train_and_evaluate(config, str(tmp_path / "run"))
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_load_run_gives_the_selected_checkpoint_and_its_recorded_accuracy(tmp_path):
+    """Checkpoints are numbered by record steps, "best" is the step the summary selects,
+    and the loaded model reproduces that record's accuracy, counted here directly."""
+    from sagm_jax import data as data_lib
+    from sagm_jax.selection import training_domain_validation
+
+    config = digits_config(steps=7, eval_every=2, lr=3e-3)
+    records = train.train_and_evaluate(config, str(tmp_path))
+    selected = training_domain_validation(records, [0])["step"]
+    model, variables, record = train.load_run(str(tmp_path), "best")
+    assert record["step"] == selected
+    assert train.load_run(str(tmp_path), "latest")[2]["step"] == 6
+    dataset = data_lib.load("RotatedDigits", None, trial_seed=0, data_seed=0)
+    for env in (0, 1):
+        for part in ("in", "out"):
+            k = dataset.splits[env][part]
+            images = dataset.arrays.images[env][k]
+            logits = model.apply(variables, np.asarray(images, np.float32), train=False)
+            correct = int(np.sum(np.asarray(np.argmax(logits, -1)) == dataset.arrays.labels[env][k]))
+            assert correct / len(k) == record[f"env{env}_{part}_acc"]
 
 
 def test_test_envs_out_of_range_is_named(tmp_path):

@@ -15,7 +15,10 @@ from sagm_jax.config import mnist_config
 
 
 @pytest.mark.slow
-def test_sharpness_curves_of_a_finished_run(tmp_path):
+@pytest.mark.parametrize("perturbation", ["global", "per_device"])
+def test_sharpness_curves_of_a_finished_run(tmp_path, perturbation):
+    """Per-device (m-sharpness) runs load as global ones do: the script restores the
+    parameters without rebuilding the optimizer."""
     config = mnist_config("RotatedDigits")
     config.update(
         dict(
@@ -25,6 +28,7 @@ def test_sharpness_curves_of_a_finished_run(tmp_path):
             eval_batch_size=64,
             cnn_widths=(8, 16, 16, 16),
             test_envs=(2,),
+            perturbation=perturbation,
         )
     )
     run_dir = tmp_path / "sweep" / "run0"
@@ -45,12 +49,14 @@ def test_sharpness_curves_of_a_finished_run(tmp_path):
     )
     with open(tmp_path / "out" / "sharpness.json") as f:
         (entry,) = json.load(f)
-    assert entry["test_env"] == 2 and entry["env_name"] == "30" and entry["step"] == 3
+    assert entry["test_env"] == 2 and entry["env_name"] == "30" and entry["step"] == 2
     assert entry["sharpness"][0] == 0.0
     assert os.path.getsize(tmp_path / "out" / "sharpness.png") > 10_000
 
     # Independently: full-batch loss of the whole target domain at w and at w + rho g/|g|.
-    _, dataset, model, state = sharpness_script.restore_run(str(run_dir), "latest")
+    _, dataset, model, variables, step = sharpness_script.restore_run(str(run_dir), "latest")
+    params = variables["params"]
+    assert step == 2
     env = 2
     images = np.asarray(dataset.arrays.images[env], np.float32)
     labels = np.asarray(dataset.arrays.labels[env], np.int32)
@@ -59,9 +65,9 @@ def test_sharpness_curves_of_a_finished_run(tmp_path):
         logits = model.apply({"params": params}, images, train=False)
         return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels))
 
-    clean, g = jax.value_and_grad(loss)(state.params)
+    clean, g = jax.value_and_grad(loss)(params)
     norm = jnp.sqrt(sum(jnp.sum(x**2) for x in jax.tree.leaves(g)))
-    shifted = jax.tree.map(lambda w, x: w + 0.5 * x / norm, state.params, g)
+    shifted = jax.tree.map(lambda w, x: w + 0.5 * x / norm, params, g)
     np.testing.assert_allclose(entry["loss"], float(clean), rtol=1e-5)
     np.testing.assert_allclose(
         entry["sharpness"][2], float(loss(shifted) - clean), rtol=1e-3, atol=1e-5

@@ -1,0 +1,87 @@
+"""Evaluation: the accuracy of a train state on every split part of every environment.
+
+``Evaluator(state) -> {'env{i}_{part}_acc': accuracy}`` over EVERY example of each part
+(padding of the last batch is masked out), in eval mode. With
+``config.augment_validation`` the 'out' parts of the training environments are
+augmented as in training (DomainBed's old default).
+
+Training-domain validation is the mean 'out' accuracy of the training environments;
+an empty split part has no accuracy, so the evaluator refuses one when it is built,
+before the run writes anything, instead of recording a NaN that no checkpoint
+comparison can rank.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sagm_jax.data import device_augment
+from sagm_jax.data.pipeline import prefetch_to_mesh
+from sagm_jax.train_step import apply_model
+
+
+def make_eval_step(model, compute_dtype, seed: int = 0, image_size: int = 224):
+    """Jitted ``eval_step(params, batch_stats, batch) -> (correct, counted)``."""
+
+    def eval_step(params, batch_stats, batch):
+        batch = device_augment.model_inputs(
+            batch, seed, 0, image_size, stream=device_augment.EVAL_STREAM
+        )
+        logits = apply_model(model, params, batch_stats, batch["image"], compute_dtype)
+        correct = (jnp.argmax(logits, -1) == batch["label"]) & batch["mask"]
+        return jnp.sum(correct), jnp.sum(batch["mask"])
+
+    return jax.jit(eval_step)
+
+
+def validation_accuracy(record: dict, train_envs) -> float:
+    """Training-domain validation: the mean 'out' accuracy of the training environments."""
+    return float(np.mean([record[f"env{e}_out_acc"] for e in train_envs]))
+
+
+class Evaluator:
+    """Accuracies of a train state on every split part of ``dataset``."""
+
+    def __init__(self, model, dataset, mesh, config, train_envs):
+        empty = [
+            f"env{env} ({dataset.env_names[env]}) '{part}'"
+            for env in range(len(dataset.env_names))
+            for part, indices in dataset.splits[env].items()
+            if len(indices) == 0
+        ]
+        if empty:
+            raise ValueError(
+                f"Empty split parts: {', '.join(empty)}; their accuracy is undefined and "
+                "training-domain validation needs every 'out' part. Add images, or raise "
+                f"config.holdout_fraction={config.holdout_fraction}."
+            )
+        self.dataset, self.mesh, self.config = dataset, mesh, config
+        self.train_envs = list(train_envs)
+        self.step = make_eval_step(
+            model, jnp.dtype(config.compute_dtype), config.seed, config.image_size
+        )
+
+    def _batches(self, env: int, part: str):
+        augment = self.config.augment_validation and part == "out" and env in self.train_envs
+        return self.dataset.eval_iterator(
+            env,
+            part,
+            batch_size=self.config.eval_batch_size,
+            augment=augment,
+            seed=self.config.seed,
+            batch_multiple=self.mesh.devices.size,
+        )
+
+    def __call__(self, state) -> dict:
+        accuracies = {}
+        for env in range(len(self.dataset.env_names)):
+            for part in self.dataset.splits[env]:
+                counts = [
+                    self.step(state.params, state.batch_stats, batch)
+                    for batch in prefetch_to_mesh(self._batches(env, part), self.mesh)
+                ]
+                correct = sum(int(c) for c, _ in counts)
+                accuracies[f"env{env}_{part}_acc"] = correct / sum(int(n) for _, n in counts)
+        return accuracies
