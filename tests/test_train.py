@@ -332,24 +332,11 @@ def test_test_envs_out_of_range_is_named(tmp_path):
         train.train_and_evaluate(digits_config(test_envs=(7,)), str(tmp_path))
 
 
-def test_two_processes_give_the_two_device_run(tmp_path):
-    """Multi-host through jax.distributed: two local CPU processes (gloo collectives),
-    one device each, against one process with two devices."""
-    overrides = ["--config.steps=3", "--config.eval_every=1", "--config.cnn_widths=16,32,32,32"]
-    env = _run_env()
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-    subprocess.run(
-        _main_command(tmp_path / "single", *overrides),
-        check=True,
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-    )
-    port = 20000 + os.getpid() % 20000
-    workers = [
+def _two_processes(workdir, overrides, port):
+    return [
         subprocess.Popen(
             _main_command(
-                tmp_path / "multi",
+                workdir,
                 *overrides,
                 "--distributed",
                 f"--coordinator_address=localhost:{port}",
@@ -364,11 +351,39 @@ def test_two_processes_give_the_two_device_run(tmp_path):
         )
         for i in range(2)
     ]
+
+
+def test_two_processes_killed_and_resumed_give_the_two_device_run(tmp_path):
+    """Multi-host through jax.distributed: two local CPU processes (gloo collectives),
+    one device each, killed after a few evaluations and relaunched, against one process
+    with two devices. After the restore every process must take the same checkpoint
+    decisions (a save entered by one process alone hangs in orbax's barrier)."""
+    overrides = ["--config.steps=8", "--config.eval_every=1", "--config.cnn_widths=16,32,32,32"]
+    env = _run_env()
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    subprocess.run(
+        _main_command(tmp_path / "single", *overrides),
+        check=True,
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+    )
+    port = 20000 + os.getpid() % 20000
+    workers = _two_processes(tmp_path / "multi", overrides, port)
+    deadline = time.time() + 300
+    while len(train.read_records(str(tmp_path / "multi"))) < 3 and time.time() < deadline:
+        time.sleep(0.05)
+    for w in workers:
+        w.send_signal(signal.SIGKILL)
+        w.wait()
+    assert 3 <= len(train.read_records(str(tmp_path / "multi"))) < 8
+    workers = _two_processes(tmp_path / "multi", overrides, port + 1)
     outputs = [w.communicate(timeout=600)[0] for w in workers]
     assert [w.returncode for w in workers] == [0, 0], [o[-3000:] for o in outputs]
+    assert all("resumed at step" in o for o in outputs)
     single = train.read_records(str(tmp_path / "single"))
     multi = train.read_records(str(tmp_path / "multi"))
-    assert [r["step"] for r in multi] == [0, 1, 2]
+    assert [r["step"] for r in multi] == list(range(8))
     for a, b in zip(single, multi):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         for key in a:
@@ -397,3 +412,19 @@ def test_image_folder_trains_without_tensorflow(tmp_path):
     assert "TensorFlow is not installed" in done.stdout
     assert [r["step"] for r in train.read_records(str(tmp_path / "run"))] == [0, 2]
     assert os.path.exists(tmp_path / "run" / "done")
+
+
+def test_a_failed_start_leaves_no_workdir_behind(tmp_path):
+    """The command line claims its workdir (run.lock) before the run checks what only the
+    data can tell; when such a check fails, the new directory is removed again."""
+    env = _run_env()
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    failed = subprocess.run(
+        _main_command(tmp_path / "run", "--config.batch_per_env=3"),
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert failed.returncode == 1 and "does not divide among 8" in failed.stderr, failed.stderr
+    assert not os.path.exists(tmp_path / "run")
