@@ -9,10 +9,12 @@ Small folders train faster with fewer steps (``--config.steps=1001``) and ResNet
 (``--config.arch=resnet18 --config.pretrained_weights=resnet18-f37072fd.pth``).
 """
 
-from sagm_jax.config import paper_config
+import os
+import runpy
 
 
 def get_config():
-    config = paper_config("PACS")
+    here = os.path.dirname(os.path.abspath(__file__))
+    config = runpy.run_path(os.path.join(here, "pacs.py"))["get_config"]()
     config.dataset = "ImageFolder"
     return config

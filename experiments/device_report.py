@@ -39,7 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 
 from experiments import bench_input, bench_train_step  # noqa: E402
 from sagm_jax.data import device_augment  # noqa: E402
@@ -108,8 +109,7 @@ def section_augment(args, report):
 
 
 def section_loop(args, report):
-    from sagm_jax import config as config_lib
-    from sagm_jax import train
+    from sagm_jax import cli, train
     from sagm_jax.data.pipeline import prefetch_to_mesh
 
     tmp = tempfile.mkdtemp(prefix="device_report_")
@@ -117,7 +117,7 @@ def section_loop(args, report):
     start = time.perf_counter()
     bench_input.write_tree(folder, 227, 227, args.images_per_class)
     print(f"\n## Real loop on a PACS-like folder ({time.perf_counter() - start:.0f} s to write it)")
-    config = config_lib.paper_config("PACS")
+    config = cli.load_config_file(os.path.join(REPO, "configs", "pacs.py"))
     config.update(
         dataset="ImageFolder",
         data_dir=folder,

@@ -66,19 +66,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 from sagm_jax import claims  # noqa: E402
+from sagm_jax.data import registry  # noqa: E402
+from sagm_jax.optimizers import ALGORITHMS  # noqa: E402
 
+# The datasets a sweep can run: those of the registry with a config file and a known
+# number of environments (an ImageFolder's depends on its data_dir).
 CONFIG_FILES = {
-    "PACS": "configs/pacs.py",
-    "VLCS": "configs/vlcs.py",
-    "OfficeHome": "configs/office_home.py",
-    "TerraIncognita": "configs/terra_incognita.py",
-    "DomainNet": "configs/domain_net.py",
-    "RotatedMNIST": "configs/rotated_mnist.py",
-    "ColoredMNIST": "configs/colored_mnist.py",
-    "RotatedDigits": "configs/rotated_digits.py",
+    name: spec.config_file
+    for name, spec in registry.DATASETS.items()
+    if spec.config_file and spec.domains
 }
 DATASET_OF = {path: name for name, path in CONFIG_FILES.items()}
-ALGORITHMS = ("erm", "sam", "gsam", "sagm", "erm_sam")
 
 # The paper's search space for the other methods (docs/protocol.md); "paper" keeps each
 # config file's own (the paper's per-dataset) hyperparameters.
@@ -92,8 +90,10 @@ PRESETS = {
     },
 }
 # Hyperparameters an algorithm ignores are not swept for it (no duplicate runs).
+# ``alpha`` is SAGM's alone (erm_sam is SAGM with alpha 0); GSAM has ``gsam_alpha``.
 USED_BY = {
-    "alpha": ("sagm", "gsam"),
+    "alpha": ("sagm",),
+    "gsam_alpha": ("gsam",),
     "rho": ("sam", "gsam", "sagm", "erm_sam"),
     "combine": ("sagm", "erm_sam"),
 }
@@ -110,12 +110,6 @@ STOP_GRACE_S = 120  # a stopped run's time to finish its checkpoint save
 
 
 def num_environments(dataset: str) -> int:
-    from sagm_jax.data import mnist, registry
-
-    if dataset in ("RotatedMNIST", "RotatedDigits"):
-        return len(mnist.ROTATIONS)
-    if dataset == "ColoredMNIST":
-        return len(mnist.COLOR_ENV_NAMES)
     return len(registry.get_spec(dataset).domains)
 
 

@@ -184,7 +184,7 @@ def help_text(path: str | None = None) -> str:
         f"config fields ({source}):",
     ]
     for section, fields in config_lib.FIELDS.items():
-        lines.append(f"  {section}")
+        lines.append(f"  {config_lib.SECTION_TITLES[section]}")
         for key, _, meaning in fields:
             flag = f"    --config.{key}={_render(values.get(key))}"
             text = f"{flag:<44} {meaning}" if len(flag) < 44 else f"{flag}\n{'':<44} {meaning}"
@@ -272,23 +272,23 @@ def _workdir_problem(workdir: str) -> str | None:
     return None
 
 
-def preflight(config: ml_collections.ConfigDict, workdir: str, argv: Sequence[str]) -> None:
+def preflight(
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    argv: Sequence[str],
+    device_count: int | None = None,
+) -> None:
     """UsageError listing EVERYTHING that stops the run from starting (data, weights,
-    values, workdir), each with the flag that fixes it, and an example command."""
+    values, workdir), each with the flag that fixes it, and an example command.
+    ``device_count`` bounds ``config.num_devices`` (None: not known yet)."""
     problems = [
         p for p in (_data_problem(config), _weights_problem(config), _workdir_problem(workdir)) if p
     ]
     problems += [
         p
-        for p in config_lib.config_problems(config)
+        for p in config_lib.config_problems(config, device_count)
         if not p.startswith("config.pretrained_weights")
     ]
-    from sagm_jax.data import registry
-
-    if config.dataset not in registry.DATASETS:
-        problems.append(
-            f"--config.dataset={config.dataset}: expected one of {', '.join(registry.DATASETS)}."
-        )
     if not problems:
         return
     path = _config_path(argv[1:]) or "the config"

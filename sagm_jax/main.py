@@ -78,6 +78,12 @@ def _remove_if_empty(workdir: str) -> None:
             os.rmdir(root)
 
 
+def _local_device_count() -> int:
+    import jax
+
+    return jax.device_count()
+
+
 def main(argv):
     del argv
     if not flags.FLAGS["verbosity"].present:
@@ -86,7 +92,9 @@ def main(argv):
     workdir = _WORKDIR.value or cli.default_workdir(_CONFIG.value)
 
     def checked_run():
-        cli.preflight(_CONFIG.value, workdir, sys.argv)
+        # A multi-host job knows its devices only after jax.distributed.initialize().
+        devices = None if _DISTRIBUTED.value else _local_device_count()
+        cli.preflight(_CONFIG.value, workdir, sys.argv, devices)
         cli.quiet_tensorflow_import()
         train(_CONFIG.value, workdir)
 

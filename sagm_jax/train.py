@@ -42,27 +42,12 @@ from sagm_jax.checkpoints import Checkpoints, restore_variables, saved_steps
 from sagm_jax.config import validate
 from sagm_jax.data.pipeline import prefetch_to_mesh
 from sagm_jax.evaluation import Evaluator, validation_accuracy
-from sagm_jax.optimizers import paper_optimizer
+from sagm_jax.optimizers import optimizer_from_config
 from sagm_jax.rundir import CONFIG, DONE, RESULTS, RUN_INFO, RunDir, read_records
 from sagm_jax.selection import training_domain_validation
 from sagm_jax.train_step import build_train_step, create_train_state
 
 __all__ = ["DONE", "RESULTS", "load_run", "read_records", "run", "train_and_evaluate"]
-
-
-def optimizer_from_config(config: ml_collections.ConfigDict, axis_name=None):
-    """The one place that turns a config into the optimizer."""
-    return paper_optimizer(
-        config.algorithm,
-        learning_rate=config.lr,
-        weight_decay=config.weight_decay,
-        rho=config.rho,
-        alpha=config.alpha,
-        combine=config.combine,
-        adaptive=config.adaptive,
-        perturbation=config.perturbation,
-        axis_name=axis_name if config.perturbation == "per_device" else None,
-    )
 
 
 def dataset_from_config(config: ml_collections.ConfigDict, *, open_images: bool = True):
@@ -208,7 +193,7 @@ def setup(config: ml_collections.ConfigDict) -> Program:
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
     """Trains one run with ``config.test_envs`` held out; returns its records."""
-    validate(config)
+    validate(config, device_count=jax.device_count())
     rundir = RunDir(workdir, is_main=jax.process_index() == 0)
     config_dict = config.to_dict()
     rundir.check_config(config_dict)  # first, finished run or not

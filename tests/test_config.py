@@ -7,8 +7,17 @@ import subprocess
 import sys
 
 import pytest
+from ml_collections import ConfigDict
 
-from sagm_jax.config import base_config, check_overrides, validate
+from sagm_jax import config as config_lib
+from sagm_jax.config import (
+    FIELDS,
+    base_config,
+    check_overrides,
+    config_problems,
+    section,
+    validate,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -115,3 +124,178 @@ def test_main_reports_an_unknown_key_and_exits(tmp_path):
     assert result.returncode != 0
     assert "--config.stepz: no such key" in result.stderr and "steps" in result.stderr
     assert not os.listdir(tmp_path)
+
+
+# --- every field checked, each problem naming its key, all at once --------------------
+
+
+def unlocked(**values):
+    """The base config with ``values``, in a ConfigDict that takes values of any type
+    (as a config file that builds its own ConfigDict may)."""
+    return ConfigDict({**base_config().to_dict(), "pretrained_weights": "w.pth", **values})
+
+
+BAD_VALUES = [
+    ("lr", -3e-5, "a number > 0"),
+    ("lr", 0.0, "a number > 0"),
+    ("lr", float("nan"), "a number > 0"),
+    ("lr", "3e-5", "a number > 0"),
+    ("weight_decay", -1e-4, "a number >= 0"),
+    ("rho", -0.05, "a number >= 0"),
+    ("rho", 0.0, "with rho 0, algorithm='sagm' does not perturb"),
+    ("alpha", -1e-3, "in [0, 1)"),
+    ("alpha", 1.0, "in [0, 1)"),
+    ("gsam_alpha", -0.1, "in [0, 1]"),
+    ("gsam_alpha", 1.5, "in [0, 1]"),
+    ("test_envs", (0, 0), "distinct"),
+    ("test_envs", (-1,), "distinct, >= 0"),
+    ("test_envs", ("abc",), "environment indices"),
+    ("test_envs", (), "environment indices"),
+    ("test_envs", (6,), "indices of RotatedDigits's environments (0 0, 1 15"),
+    ("test_envs", (True,), "environment indices"),
+    ("num_devices", -1, "an integer >= 0"),
+    ("trial_seed", -1, "an integer >= 0"),
+    ("seed", 1.5, "an integer >= 0"),
+    ("holdout_fraction", 1.0, "in (0, 1)"),
+    ("batch_per_env", 0, "a positive integer"),
+    ("eval_batch_size", -8, "a positive integer"),
+    ("image_size", 0, "a positive integer"),
+    ("store_short_side", 100, "an integer >= config.image_size=224"),
+    ("store_budget_gb", -1.0, "a number >= 0"),
+    ("cnn_widths", (16, 32, 32), "4 positive multiples of 8"),
+    ("cnn_widths", (12, 32, 32, 32), "4 positive multiples of 8"),
+    ("mixstyle_after", (4,), "distinct ResNet stages among 1, 2, 3"),
+    ("mixstyle_after", (1, 1), "distinct ResNet stages"),
+    ("dataset", "Nope", "one of PACS, VLCS"),
+    ("arch", "vgg16", "one of resnet18, resnet50, mnist_cnn"),
+    ("algorithm", "adamw", "one of erm, sam, gsam, sagm, erm_sam"),
+    ("combine", "avg", "one of mean, sum"),
+    ("perturbation", "local", "one of global, per_device"),
+    ("split", "random", "one of domainbed, in_domain"),
+    ("compute_dtype", "float16", "one of float32, bfloat16"),
+    ("input", "gpu", "one of device, tf"),
+    ("image_store", "disk", "one of auto, cache, stream"),
+    ("dropout", -0.1, "in [0, 1)"),
+    ("steps", True, "a positive integer"),
+    ("eval_every", 0, "a positive integer"),
+    ("log_every", 2.5, "a positive integer"),
+    ("checkpoint", "yes", "True or False"),
+    ("mixstyle", 1, "True or False"),
+    ("all_test_envs", None, "True or False"),
+    ("freeze_batchnorm", "True", "True or False"),
+    ("augment_validation", 0, "True or False"),
+    ("skip_bad_files", None, "True or False"),
+    ("adaptive", "no", "True or False"),
+    ("shared_dropout", 1, "True or False"),
+    ("data_dir", None, "a string"),
+    ("cache_dir", 3, "a string"),
+    ("pretrained_weights", None, "a path, or 'none'"),
+]
+
+
+@pytest.mark.parametrize(
+    "key,value,expected", BAD_VALUES, ids=[f"{k}={v!r}" for k, v, _ in BAD_VALUES]
+)
+def test_each_bad_value_is_one_problem_naming_its_key(key, value, expected):
+    config = unlocked(**{"dataset": "RotatedDigits", "arch": "mnist_cnn", key: value})
+    problems = config_problems(config)
+    assert len(problems) == 1, problems
+    shown = repr(tuple(value) if isinstance(value, list) else value)
+    assert problems[0].startswith(f"config.{key}={shown}: expected "), problems
+    assert expected in problems[0]
+
+
+def test_every_field_is_checked_for_its_type():
+    # bytes is no field's type: every field must reject it, naming itself, and the
+    # checks of the other fields must not trip over it.
+    for key in (key for fields in FIELDS.values() for key, _, _ in fields):
+        problems = config_problems(unlocked(**{key: b"?"}))
+        assert [p for p in problems if p.startswith(f"config.{key}=b'?': expected")], key
+
+
+def test_all_problems_are_reported_at_once_one_line_each():
+    values = dict(lr=-1.0, rho=-0.05, alpha=2.0, gsam_alpha=-1.0, test_envs=(1, 1))
+    values.update(num_devices=4, steps=0, checkpoint="yes")
+    problems = config_problems(unlocked(**values), device_count=2)
+    keys = [p.split("=", 1)[0] for p in problems]
+    assert keys == [f"config.{k}" for k in FIELD_ORDER if k in values], problems
+    with pytest.raises(ValueError) as error:
+        validate(unlocked(**values), device_count=2)
+    assert str(error.value).splitlines() == problems
+
+
+def test_num_devices_is_bounded_by_the_devices_jax_sees():
+    config = unlocked(num_devices=4)
+    assert config_problems(config) == []  # device count unknown
+    assert config_problems(config, device_count=4) == []
+    (problem,) = config_problems(config, device_count=2)
+    assert problem.startswith("config.num_devices=4: expected at most the 2 device(s)")
+    assert config_problems(unlocked(num_devices=0), device_count=1) == []
+
+
+def test_erm_may_leave_rho_at_zero_but_not_negative():
+    assert config_problems(unlocked(algorithm="erm", rho=0.0)) == []
+    assert config_problems(unlocked(algorithm="erm", rho=-1.0))
+
+
+def test_mixstyle_with_no_stage_is_a_problem():
+    (problem,) = config_problems(unlocked(mixstyle=True, mixstyle_after=()))
+    assert problem.startswith("config.mixstyle_after=(): expected")
+
+
+def test_paper_configs_have_no_problem():
+    for path in sorted(glob.glob(os.path.join(REPO, "configs", "*.py"))):
+        config = runpy.run_path(path)["get_config"]()
+        if config.arch != "mnist_cnn":
+            config.pretrained_weights = "w.pth"
+        assert config_problems(config, device_count=1) == [], path
+        config.algorithm = "gsam"
+        assert config_problems(config, device_count=8) == [], path
+
+
+FIELD_ORDER = [key for fields in FIELDS.values() for key, _, _ in fields]
+
+
+# --- sections ----------------------------------------------------------------------
+
+
+def test_section_gives_one_sections_values():
+    config = load("pacs")
+    optimizer = section(config, "optimizer")
+    assert list(optimizer) == [key for key, _, _ in FIELDS["optimizer"]]
+    assert optimizer["lr"] == 3e-5 and optimizer["alpha"] == 1e-3 and "steps" not in optimizer
+    assert optimizer["gsam_alpha"] == 0.01  # GSAM's paper setting, not SAGM's alpha
+    every = {k: v for name in FIELDS for k, v in section(config, name).items()}
+    assert every == config.to_dict()
+    with pytest.raises(ValueError, match="section 'train': expected one of data, model"):
+        section(config, "train")
+
+
+# --- one registry of names ---------------------------------------------------------------
+
+
+def test_config_checks_take_their_names_from_the_registries():
+    from sagm_jax.data import registry
+    from sagm_jax.models import ARCHS, create
+    from sagm_jax.optimizers import ALGORITHMS
+
+    assert config_lib._CHOICES["algorithm"] is ALGORITHMS
+    assert config_lib._CHOICES["arch"] is ARCHS
+    assert config_lib._CHOICES["dataset"] == tuple(registry.DATASETS)
+    for arch in ARCHS:  # every listed architecture is one create() builds
+        create(arch, 3, cnn_widths=(8, 8, 8, 8))
+
+
+def test_every_config_file_is_registered_with_its_dataset():
+    from sagm_jax.data import registry
+
+    files = sorted(
+        os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "configs", "*.py"))
+    )
+    assert sorted(registry.CONFIG_FILES.values()) == files
+    for name, path in registry.CONFIG_FILES.items():
+        assert runpy.run_path(os.path.join(REPO, path))["get_config"]().dataset == name
+    assert registry.PAPER_DATASETS == ("PACS", "VLCS", "OfficeHome", "TerraIncognita", "DomainNet")
+    rotated = registry.get_spec("RotatedMNIST").domains
+    assert rotated == ("0", "15", "30", "45", "60", "75")
+    assert registry.get_spec("ColoredMNIST").domains == ("+90%", "+80%", "-90%")

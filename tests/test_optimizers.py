@@ -5,6 +5,9 @@ The reference below computes a small MLP's cross-entropy gradient by hand
 L2 decay literally; the JAX side runs the package's transforms under jit.
 """
 
+import os
+import runpy
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -424,3 +427,57 @@ def test_global_norm_is_the_norm_of_leaf_norms():
     tree = {"a": np.arange(6.0).reshape(2, 3), "b": -np.ones(4)}
     expected = np.sqrt(np.sum(np.arange(6.0) ** 2) + 4.0)
     np.testing.assert_allclose(float(sagm_jax.global_norm(tree)), expected, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------
+# The optimizer built from a config: each algorithm gets its own alpha.
+
+# GSAM's alpha for ResNets in Zhuang et al., ICLR 2022 (their hyperparameter table),
+# written here independently of the package's constant.
+GSAM_PAPER_ALPHA = 0.01
+
+
+def _run_config_optimizer(config, params, batches):
+    """Parameters after the batches, under the optimizer built from ``config``."""
+    opt = sagm_jax.optimizers.optimizer_from_config(config)
+    step = make_step(opt)
+    p = jax.tree.map(jnp.asarray, params)
+    state = opt.init(p)
+    for x, y in batches:
+        p, state = step(p, state, x, y)
+    return p
+
+
+def _reference_run(rule, params, batches, lr, wd, rho, alpha):
+    ref_p, ref_adam = dict(params), RefAdam(params, lr, wd)
+    for x, y in batches:
+        ref_p = ref_adam.step(ref_p, ref_direction(rule, ref_p, x, y, rho, alpha))
+    return ref_p
+
+
+@pytest.mark.parametrize("algorithm", ["gsam", "sagm", "erm_sam"])
+def test_paper_config_gives_each_algorithm_its_own_alpha(algorithm):
+    """configs/pacs.py with algorithm=gsam runs GSAM with GSAM's paper alpha, not
+    SAGM's 1e-3 (with which GSAM is nearly SAM); SAGM keeps config.alpha."""
+    config = runpy.run_path(
+        os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "pacs.py")
+    )["get_config"]()
+    config.algorithm = algorithm
+    config.lr = 1e-2  # the paper's 3e-5 moves the MLP too little to tell the rules apart
+    expected_alpha = {"gsam": GSAM_PAPER_ALPHA, "sagm": 1e-3, "erm_sam": 0.0}[algorithm]
+    params, batches = make_problem(seed=1)
+    with jax.enable_x64(True):
+        actual = _run_config_optimizer(config, params, batches)
+    wd, rho = config.weight_decay, config.rho
+    ref = _reference_run(algorithm, params, batches, config.lr, wd, rho, expected_alpha)
+    delta = {k: np.asarray(actual[k]) - params[k] for k in params}
+    assert_trees_close(delta, {k: ref[k] - params[k] for k in params}, rtol=1e-7, atol=1e-12)
+    if algorithm == "gsam":  # the test tells GSAM's alpha from SAGM's
+        other = _reference_run("gsam", params, batches, config.lr, wd, rho, config.alpha)
+        gap = max(np.max(np.abs(other[k] - ref[k])) for k in params)
+        worst = max(np.max(np.abs(delta[k] - (ref[k] - params[k]))) for k in params)
+        assert gap > 1e4 * worst
+
+
+def test_gsams_default_alpha_is_its_papers():
+    assert sagm_jax.optimizers.GSAM_ALPHA == GSAM_PAPER_ALPHA

@@ -1,5 +1,9 @@
 """The dataset registry: name -> ``DatasetSpec``, and ``load``.
 
+The one list of dataset names: each entry holds the dataset's environments, its config
+file (``configs/*.py``) and whether the paper reports it; the config checks, the sweep
+and the result tables import it (``PAPER_DATASETS``, ``CONFIG_FILES``).
+
 Folder datasets read ``<data_dir>/<folder>/<domain>/<class>/<image>``; the published
 counts are DomainBed's (per-domain counts where the dataset papers give them).
 "ImageFolder" is any such tree a researcher brings: ``data_dir`` is then the folder
@@ -11,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import os
 from typing import Callable
+
+from sagm_jax.data.mnist import COLOR_ENV_NAMES, ROTATIONS
 
 DOWNLOAD_HELP = (
     "DomainBed's downloader (domainbed/scripts/download.py in "
@@ -26,13 +32,15 @@ class DatasetSpec:
     name: str
     kind: str  # 'folder' | 'array'
     folder: str | None = None  # sub-folder of data_dir ('folder' kind)
-    domains: tuple[str, ...] | None = None  # published domain folders, sorted
+    domains: tuple[str, ...] | None = None  # environments: published domain folders, sorted
     num_classes: int | None = None
     total: int | None = None  # published image count
     domain_totals: dict | None = None  # published per-domain counts, if known
     homepage: str = ""
     note: str = ""
     build: Callable | None = None  # 'array' kind: (data_dir, data_seed) -> ArraySource
+    config_file: str | None = None  # its get_config(), relative to the repository
+    in_paper: bool = False  # one of the paper's five benchmarks (Table 1's columns)
 
     def missing_help(self, data_dir: str) -> str:
         if self.name == "ImageFolder":
@@ -49,13 +57,23 @@ class DatasetSpec:
         )
 
 
-def _array(name, build_name):
+def _array(name, build_name, domains, num_classes, config_file):
     def build(data_dir, data_seed):
         from sagm_jax.data import mnist
 
         return getattr(mnist, build_name)(data_dir, data_seed)
 
-    return DatasetSpec(name=name, kind="array", build=build)
+    return DatasetSpec(
+        name=name,
+        kind="array",
+        domains=domains,
+        num_classes=num_classes,
+        build=build,
+        config_file=config_file,
+    )
+
+
+_ROTATION_ENVS = tuple(str(angle) for angle in ROTATIONS)
 
 
 DATASETS: dict[str, DatasetSpec] = {
@@ -68,6 +86,8 @@ DATASETS: dict[str, DatasetSpec] = {
         9991,
         {"art_painting": 2048, "cartoon": 2344, "photo": 1670, "sketch": 3929},
         homepage="https://domaingeneralization.github.io/",
+        config_file="configs/pacs.py",
+        in_paper=True,
     ),
     "VLCS": DatasetSpec(
         "VLCS",
@@ -78,6 +98,8 @@ DATASETS: dict[str, DatasetSpec] = {
         10729,
         {"Caltech101": 1415, "LabelMe": 2656, "SUN09": 3282, "VOC2007": 3376},
         homepage="https://github.com/belaalb/G2DM#download-vlcs",
+        config_file="configs/vlcs.py",
+        in_paper=True,
     ),
     "OfficeHome": DatasetSpec(
         "OfficeHome",
@@ -88,6 +110,8 @@ DATASETS: dict[str, DatasetSpec] = {
         15588,
         {"Art": 2427, "Clipart": 4365, "Product": 4439, "Real World": 4357},
         homepage="https://www.hemanthdv.org/officeHomeDataset.html",
+        config_file="configs/office_home.py",
+        in_paper=True,
     ),
     "TerraIncognita": DatasetSpec(
         "TerraIncognita",
@@ -98,6 +122,8 @@ DATASETS: dict[str, DatasetSpec] = {
         24788,
         homepage="https://lila.science/datasets/caltech-camera-traps (DomainBed's download.py "
         "selects the four locations and ten classes)",
+        config_file="configs/terra_incognita.py",
+        in_paper=True,
     ),
     "DomainNet": DatasetSpec(
         "DomainNet",
@@ -109,12 +135,26 @@ DATASETS: dict[str, DatasetSpec] = {
         homepage="http://ai.bu.edu/M3SDA/",
         note="before DomainBed's download.py removes its listed duplicates, so a "
         "DomainBed download has slightly fewer",
+        config_file="configs/domain_net.py",
+        in_paper=True,
     ),
-    "ImageFolder": DatasetSpec("ImageFolder", "folder"),
-    "RotatedMNIST": _array("RotatedMNIST", "rotated_mnist"),
-    "ColoredMNIST": _array("ColoredMNIST", "colored_mnist"),
-    "RotatedDigits": _array("RotatedDigits", "rotated_digits"),
+    # Its environments are the folders of the researcher's data_dir.
+    "ImageFolder": DatasetSpec("ImageFolder", "folder", config_file="configs/image_folder.py"),
+    "RotatedMNIST": _array(
+        "RotatedMNIST", "rotated_mnist", _ROTATION_ENVS, 10, "configs/rotated_mnist.py"
+    ),
+    "ColoredMNIST": _array(
+        "ColoredMNIST", "colored_mnist", COLOR_ENV_NAMES, 2, "configs/colored_mnist.py"
+    ),
+    "RotatedDigits": _array(
+        "RotatedDigits", "rotated_digits", _ROTATION_ENVS, 10, "configs/rotated_digits.py"
+    ),
 }
+
+# The paper's five benchmarks, in the order of its tables.
+PAPER_DATASETS = tuple(name for name, spec in DATASETS.items() if spec.in_paper)
+# The config file of every dataset that has one.
+CONFIG_FILES = {name: spec.config_file for name, spec in DATASETS.items() if spec.config_file}
 
 
 def get_spec(name: str) -> DatasetSpec:

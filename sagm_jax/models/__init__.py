@@ -31,7 +31,8 @@ from sagm_jax.models.torchvision_weights import (
     with_pretrained_backbone,
 )
 
-ARCHS = ("resnet18", "resnet50", "mnist_cnn")
+# The one list of architecture names (what ``create`` builds); the config checks import it.
+ARCHS = (*ARCHITECTURES, "mnist_cnn")
 
 __all__ = [
     "ARCHS",

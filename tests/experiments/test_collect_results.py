@@ -283,3 +283,13 @@ def test_bad_input_names_the_problem(tmp_path):
     (bad / "results.jsonl").write_text("{not json\n")
     with pytest.raises(ValueError, match="results.jsonl: not JSON lines"):
         collect_results.build_report(str(tmp_path / "bad"))
+
+
+def test_the_tables_name_exactly_the_registered_algorithms_and_datasets():
+    from sagm_jax.data import registry
+    from sagm_jax.optimizers import ALGORITHMS
+
+    assert sorted(collect_results.ALGORITHM_NAMES) == sorted(ALGORITHMS)
+    assert collect_results.ALGORITHM_ORDER == tuple(collect_results.ALGORITHM_NAMES)
+    assert set(collect_results.ABLATION_ALGORITHMS) <= set(ALGORITHMS)
+    assert collect_results.PAPER_DATASETS is registry.PAPER_DATASETS

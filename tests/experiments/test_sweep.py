@@ -445,3 +445,32 @@ def test_slurm_launcher_off_a_cluster_says_so(tmp_path, capsys, monkeypatch):
     argv = ["launch", "--datasets", "PACS", "--algorithms", "erm", "--test_envs", "0"]
     assert sweep.main(argv + ["--output_dir", str(tmp_path), "--launcher", "slurm"]) == 2
     assert "--launcher slurm" in capsys.readouterr().err
+
+
+def test_gsam_sweeps_its_own_alpha_and_sagm_its_own(tmp_path):
+    grid = {"alpha": [1e-3, 5e-4], "gsam_alpha": [0.01, 0.05]}
+    jobs = jobs_for(tmp_path, algorithms=["gsam", "sagm", "erm_sam"], test_envs=["0"], grid=grid)
+    keys = {
+        algorithm: [
+            sorted(set(j.args) - set(sweep.SWEEP_KEYS))
+            for j in jobs
+            if j.args["algorithm"] == algorithm
+        ]
+        for algorithm in ("gsam", "sagm", "erm_sam")
+    }
+    assert keys["gsam"] == [["gsam_alpha", "steps"]] * 2 * 2  # 2 gsam_alpha x 2 seeds
+    assert keys["sagm"] == [["alpha", "steps"]] * 2 * 2
+    assert keys["erm_sam"] == [["steps"]] * 2  # SAGM with alpha 0 sweeps neither
+
+
+def test_sweep_takes_its_names_from_the_registries():
+    from sagm_jax.data import registry
+    from sagm_jax.optimizers import ALGORITHMS
+
+    assert sweep.ALGORITHMS is ALGORITHMS
+    assert sweep.CONFIG_FILES == {
+        name: path for name, path in registry.CONFIG_FILES.items() if name != "ImageFolder"
+    }
+    assert {sweep.num_environments(n) for n in ("RotatedMNIST", "RotatedDigits")} == {6}
+    assert sweep.num_environments("ColoredMNIST") == 3 and sweep.num_environments("PACS") == 4
+
