@@ -15,7 +15,7 @@ training domain x 3).
   (227x227 as PACS, 320x427 as a capped photo): img/s, and its time as a fraction of
   the SAGM step on the same batch size.
 - ``loop``: a PACS-like folder (4 domains x 7 classes of 227x227 JPEGs, written
-  here) opened as training opens it (``train.dataset_from_config``: the decoded
+  here) opened as training opens it (``sagm_jax.data.from_config``: the decoded
   store, built once and timed), then ``--loop_steps`` steps of the real loop
   (``train_iterator`` -> ``prefetch_to_mesh`` -> ``train_step.build_train_step``' jitted step with the
   device augmentation; the loss read every 10 steps as the run loop does), against

@@ -30,6 +30,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import sagm_jax  # noqa: E402
+import sagm_jax.data  # noqa: E402
 from sagm_jax import train  # noqa: E402
 from sagm_jax.cli import quiet_tensorflow_import  # noqa: E402
 from sagm_jax.train_step import apply_model, per_example_cross_entropy  # noqa: E402
@@ -58,7 +59,7 @@ def restore_run(workdir: str, checkpoint: str):
     with open(os.path.join(workdir, "config.json")) as f:
         config = ml_collections.ConfigDict(json.load(f))
     model, variables, record = train.load_run(workdir, which=checkpoint)
-    return config, train.dataset_from_config(config), model, variables, record["step"]
+    return config, sagm_jax.data.from_config(config), model, variables, record["step"]
 
 
 class TargetDomain:

@@ -50,62 +50,6 @@ from sagm_jax.train_step import build_train_step, create_train_state
 __all__ = ["DONE", "RESULTS", "load_run", "read_records", "run", "train_and_evaluate"]
 
 
-def dataset_from_config(config: ml_collections.ConfigDict, *, open_images: bool = True):
-    """The run's dataset, opened and split as the config says. An image folder with
-    ``config.input='device'`` is served from its decoded store (built on first use;
-    ``open_images=False`` skips that, for callers that only need the split)."""
-    cache_dir = config.cache_dir or None
-    dataset = data_lib.load(
-        config.dataset,
-        config.data_dir or None,
-        trial_seed=config.trial_seed,
-        holdout_fraction=config.holdout_fraction,
-        split=config.split,
-        skip_bad_files=config.skip_bad_files,
-        data_seed=config.seed,
-        image_size=config.image_size,
-        **({"cache_dir": os.path.join(cache_dir, "verified")} if cache_dir else {}),
-    )
-    if open_images and dataset.folder is not None and config.input == "device":
-        from sagm_jax.data import store
-
-        dataset.attach_source(
-            store.open_source(
-                dataset.folder,
-                image_size=config.image_size,
-                short_side=config.store_short_side,
-                mode=config.image_store,
-                budget_gb=config.store_budget_gb,
-                cache_dir=cache_dir,
-                progress=jax.process_index() == 0,
-            )
-        )
-    return dataset
-
-
-def model_from_config(config, num_classes: int, input_shape, key, pretrained: bool = True):
-    """The network and its variables (input ``[1, *input_shape]``), with the pretrained
-    backbone of ``config.pretrained_weights`` unless ``pretrained=False`` (the caller
-    restores a checkpoint instead). Returns ``(model, variables, weights_info)``."""
-    model = models.create(
-        config.arch,
-        num_classes,
-        dropout_rate=config.dropout,
-        freeze_batchnorm=config.freeze_batchnorm,
-        mixstyle_after=tuple(config.mixstyle_after) if config.mixstyle else (),
-        input_channels=input_shape[-1],
-        cnn_widths=tuple(config.cnn_widths),
-    )
-    variables = model.init(key, jnp.zeros((1, *input_shape), jnp.float32), train=False)
-    weights = {"file": None, "sha256": None}
-    if pretrained and config.pretrained_weights and config.pretrained_weights.lower() != "none":
-        state_dict, sha256 = models.load_weights(config.pretrained_weights)
-        converted = models.convert_torchvision(state_dict, arch=config.arch)
-        variables = models.with_pretrained_backbone(variables, converted)
-        weights = {"file": os.path.abspath(config.pretrained_weights), "sha256": sha256}
-    return model, variables, weights
-
-
 @dataclasses.dataclass
 class Program:
     """Everything a run needs, built by :func:`setup` before anything is written."""
@@ -155,11 +99,11 @@ def _mesh(config, train_envs) -> jax.sharding.Mesh:
 def setup(config: ml_collections.ConfigDict) -> Program:
     """Opens the data, builds the model, optimizer, steps and evaluator: every check
     that can fail runs here, before the run directory is written."""
-    dataset = dataset_from_config(config)
+    dataset = data_lib.from_config(config)
     test_envs, train_envs = _environments(config, dataset)
     mesh = _mesh(config, train_envs)
     init_key = jax.random.split(jax.random.key(config.seed))[0]
-    model, variables, weights = model_from_config(
+    model, variables, weights = models.from_config(
         config, dataset.num_classes, dataset.input_shape, init_key
     )
     optimizer = optimizer_from_config(config, axis_name="batch")
@@ -350,7 +294,7 @@ def load_run(workdir: str, which: str | int = "best"):
         step = int(which)
     if step is None:
         raise FileNotFoundError(f"{workdir} holds no checkpoint.")
-    model = model_from_config(
+    model = models.from_config(
         config, info["num_classes"], info["input_shape"], jax.random.key(0), pretrained=False
     )[0]
     record = next((r for r in records if r["step"] == step), None)
@@ -456,7 +400,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Any:
     if not config.all_test_envs:
         result = run(config, workdir)
     else:
-        env_names = dataset_from_config(config, open_images=False).env_names
+        env_names = data_lib.from_config(config, open_images=False).env_names
         result = {}
         for env in range(len(env_names)):
             env_config = ml_collections.ConfigDict(config.to_dict())

@@ -31,7 +31,7 @@ def test_all_test_envs_prints_and_writes_the_table_then_workdir_and_wall_time(
 ):
     names = ["art", "photo", "sketch"]
     monkeypatch.setattr(
-        train, "dataset_from_config", lambda config, **_: types.SimpleNamespace(env_names=names)
+        train.data_lib, "from_config", lambda config, **_: types.SimpleNamespace(env_names=names)
     )
 
     def fake_run(config, workdir):

@@ -9,7 +9,8 @@ This package owns the networks and their weights:
   convert               `python -m sagm_jax.models.convert in.pth out.safetensors`.
   synthetic             seeded torchvision-shaped weights for the parity tests.
 
-``create`` builds a network by name. Every network is called as
+``create`` builds a network by name; ``from_config`` builds the run's network from the
+model section of a config, with its variables and pretrained backbone. Every network is called as
 ``model.apply(variables, images_nhwc, train=..., mixstyle=..., rngs={'dropout': k1,
 'mixstyle': k2})`` and returns logits; with ``freeze_batchnorm=False`` a training
 call also passes ``mutable=['batch_stats']``.
@@ -17,7 +18,10 @@ call also passes ``mutable=['batch_stats']``.
 
 from __future__ import annotations
 
+import os
+
 import flax.linen as nn
+import jax.numpy as jnp
 
 from sagm_jax.models.mixstyle import MixStyle
 from sagm_jax.models.mnist_cnn import MnistCNN
@@ -41,6 +45,7 @@ __all__ = [
     "ResNet",
     "convert_torchvision",
     "create",
+    "from_config",
     "file_sha256",
     "imagenet_classifier",
     "load_weights",
@@ -95,3 +100,26 @@ def create(
         mixstyle_after=mixstyle_after,
         input_channels=input_channels,
     )
+
+
+def from_config(config, num_classes: int, input_shape, key, pretrained: bool = True):
+    """The network and its variables (input ``[1, *input_shape]``), with the pretrained
+    backbone of ``config.pretrained_weights`` unless ``pretrained=False`` (the caller
+    restores a checkpoint instead). Returns ``(model, variables, weights_info)``."""
+    model = create(
+        config.arch,
+        num_classes,
+        dropout_rate=config.dropout,
+        freeze_batchnorm=config.freeze_batchnorm,
+        mixstyle_after=tuple(config.mixstyle_after) if config.mixstyle else (),
+        input_channels=input_shape[-1],
+        cnn_widths=tuple(config.cnn_widths),
+    )
+    variables = model.init(key, jnp.zeros((1, *input_shape), jnp.float32), train=False)
+    weights = {"file": None, "sha256": None}
+    if pretrained and config.pretrained_weights and config.pretrained_weights.lower() != "none":
+        state_dict, sha256 = load_weights(config.pretrained_weights)
+        converted = convert_torchvision(state_dict, arch=config.arch)
+        variables = with_pretrained_backbone(variables, converted)
+        weights = {"file": os.path.abspath(config.pretrained_weights), "sha256": sha256}
+    return model, variables, weights
