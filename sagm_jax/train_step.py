@@ -126,8 +126,7 @@ def make_train_step(
 
     def train_step(state: TrainState, batch, key):
         clean_key, perturbed_key = jax.random.split(jax.random.fold_in(key, state.step))
-        if shared_dropout:
-            perturbed_key = clean_key
+        perturbed_key = clean_key if shared_dropout else perturbed_key
         (loss, batch_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             state.params, state.batch_stats, batch, clean_key, clean_mixstyle
         )

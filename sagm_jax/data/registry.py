@@ -167,6 +167,22 @@ def dataset_root(spec: DatasetSpec, data_dir: str) -> str:
     return data_dir if spec.folder is None else os.path.join(data_dir, spec.folder)
 
 
+def _check_layout(spec: DatasetSpec, index, data_dir: str) -> None:
+    """Raises DatasetLayoutError if the folder's classes or domains are not the published ones."""
+    from sagm_jax.data import image_folder
+
+    if spec.num_classes is not None and len(index.class_names) != spec.num_classes:
+        raise image_folder.DatasetLayoutError(
+            f"{spec.name} at {index.root} has {len(index.class_names)} classes, expected "
+            f"{spec.num_classes}.\n{spec.missing_help(data_dir)}"
+        )
+    if spec.domains is not None and tuple(index.env_names) != spec.domains:
+        raise image_folder.DatasetLayoutError(
+            f"{spec.name} at {index.root} has domains {index.env_names}, expected "
+            f"{list(spec.domains)}.\n{spec.missing_help(data_dir)}"
+        )
+
+
 def load(
     name: str,
     data_dir: str | None,
@@ -214,16 +230,8 @@ def load(
         verify_images=verify_images,
         cache_dir=cache_dir,
     )
-    if check_layout and spec.num_classes is not None and len(index.class_names) != spec.num_classes:
-        raise image_folder.DatasetLayoutError(
-            f"{name} at {index.root} has {len(index.class_names)} classes, expected "
-            f"{spec.num_classes}.\n{spec.missing_help(data_dir)}"
-        )
-    if check_layout and spec.domains is not None and tuple(index.env_names) != spec.domains:
-        raise image_folder.DatasetLayoutError(
-            f"{name} at {index.root} has domains {index.env_names}, expected "
-            f"{list(spec.domains)}.\n{spec.missing_help(data_dir)}"
-        )
+    if check_layout:
+        _check_layout(spec, index, data_dir)
     return DomainBedData.from_folder(
         name,
         index,
