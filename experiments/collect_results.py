@@ -17,7 +17,8 @@ The METHOD is the algorithm, plus " + MixStyle" when ``config.mixstyle``. Inside
 group, a hyperparameter SETTING is the run's whole config except ``test_envs`` and
 ``all_test_envs``, so the single run (t,) and the pair runs (t, v) of one setting
 meet, which leave-one-domain-out needs. Runs without ``done`` are left out of the
-tables and listed in a note.
+tables and listed in a note. Of settings with equal validation accuracy, the one with
+the largest ``args.hparams_seed`` is chosen, as DomainBed's reader chooses.
 
 Tables (accuracy in %):
   * Table 1: rows = methods, columns = datasets and their average. A dataset's
@@ -46,9 +47,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sagm_jax import selection  # noqa: E402
+from sagm_jax.data.registry import PAPER_DATASETS  # noqa: E402  (the tables' columns)
 
-PAPER_DATASETS = ("PACS", "VLCS", "OfficeHome", "TerraIncognita", "DomainNet")
-ALGORITHM_ORDER = ("erm", "sam", "gsam", "erm_sam", "sagm")
+# The tables' names of sagm_jax.optimizers.ALGORITHMS (a test checks that they name
+# exactly those), in the order of the paper's rows.
 ALGORITHM_NAMES = {
     "erm": "ERM",
     "sam": "SAM",
@@ -56,6 +58,7 @@ ALGORITHM_NAMES = {
     "erm_sam": "ERM + SAM",
     "sagm": "SAGM",
 }
+ALGORITHM_ORDER = tuple(ALGORITHM_NAMES)
 ABLATION_ALGORITHMS = ("erm", "sam", "erm_sam", "sagm")
 MIXSTYLE = " + MixStyle"
 NOT_TEST_KEYS = ("test_envs", "all_test_envs")  # what differs between runs of one setting
@@ -156,9 +159,27 @@ def group_runs(runs: list[Run]) -> dict:
     return groups
 
 
+def tie_order(item: tuple) -> tuple:
+    """Sort key of a group's ``(setting key, runs)`` items, such that of settings with
+    equal validation accuracy the FIRST is the one DomainBed's reader picks.
+
+    DomainBed (``model_selection.SelectionMethod.hparams_accs``) groups a test
+    environment's records by ``args.hparams_seed`` in sorted order (``Q.group``),
+    stable-sorts the settings by ``val_acc`` and reverses the list, so of equal
+    ``val_acc`` the LARGEST ``args.hparams_seed`` wins. ``selection.sweep_selection``
+    keeps the first of equal settings, hence the descending order. Every record
+    written by DomainBed or by ``sagm_jax.train`` has ``args.hparams_seed``; records
+    without it (which DomainBed cannot read) come last, by setting key."""
+    key, runs = item
+    seed = next(iter(runs.values()))[0]["args"].get("hparams_seed")
+    return (0, -int(seed), key) if seed is not None else (1, 0, key)
+
+
 def select(groups: dict, selection_name: str) -> dict:
     """``{(split, dataset, method, trial_seed, t): test accuracy}`` of the chosen models;
-    in-domain groups are scored by ``selection.in_domain_run``."""
+    in-domain groups are scored by ``selection.in_domain_run``. Ties between settings
+    are broken as DomainBed's reader breaks them (:func:`tie_order`); within a run,
+    the earliest of equal checkpoints wins (DomainBed's ``argmax`` too)."""
     if selection_name not in selection.RUN_SELECTIONS:
         raise ValueError(
             f"--selection {selection_name!r}: expected one of "
@@ -171,7 +192,7 @@ def select(groups: dict, selection_name: str) -> dict:
             if group[0] == "in_domain"
             else selection.RUN_SELECTIONS[selection_name]
         )
-        settings = dict(sorted(settings.items()))
+        settings = dict(sorted(settings.items(), key=tie_order))
         choice = selection.sweep_selection(run_selection, settings, group[-1])
         if choice is not None:
             chosen[group] = choice["test_acc"]

@@ -78,6 +78,16 @@ def _remove_if_empty(workdir: str) -> None:
             os.rmdir(root)
 
 
+def _hide_accelerators_from_tensorflow() -> None:
+    """TensorFlow (input only) must not take accelerator memory: hidden before any op,
+    or a RuntimeError that says it is too late."""
+    try:
+        from sagm_jax.data import tf_input  # TensorFlow is optional
+    except ImportError:
+        return
+    tf_input.hide_accelerators_from_tensorflow()
+
+
 def _local_device_count() -> int:
     import jax
 
@@ -96,6 +106,7 @@ def main(argv):
         devices = None if _DISTRIBUTED.value else _local_device_count()
         cli.preflight(_CONFIG.value, workdir, sys.argv, devices)
         cli.quiet_tensorflow_import()
+        _hide_accelerators_from_tensorflow()
         train(_CONFIG.value, workdir)
 
     return cli.guarded(checked_run, workdir, sys.argv, _TRACEBACK.value)

@@ -3,9 +3,19 @@
 Files are read with ``tf.io.read_file`` and decoded with ``tf.io.decode_image`` (RGB,
 as torchvision's loader converts to RGB); formats TensorFlow cannot decode (TIFF,
 WebP, PPM/PGM, CMYK JPEG; found during the decode check) go through PIL in a
-``tf.numpy_function``. Decoding and augmentation run in parallel and
-deterministically (``deterministic=True``), so batches do not depend on timing.
-TensorFlow is kept off accelerators: it only feeds the JAX program.
+``tf.numpy_function``. Either way the pixels are those of torchvision's loader,
+``Image.open(path).convert("RGB")``, 16-bit PNGs included: PIL reads 16-bit RGB,
+RGBA and grayscale-with-alpha PNGs as 8-bit by keeping each sample's high byte
+(what ``decode_image`` does too), but opens 16-bit grayscale PNGs in mode ``I;16``,
+whose ``convert("RGB")`` CLIPS each value to 255 where ``decode_image`` would scale
+it (``v // 256``); :func:`decode` clips those as PIL does. Decoding and augmentation
+run in parallel and deterministically (``deterministic=True``), so batches do not
+depend on timing.
+
+TensorFlow is kept off accelerators (it only feeds the JAX program; on a GPU it would
+reserve most of the GPU's memory): :func:`hide_accelerators_from_tensorflow` runs when
+this module is imported, and ``sagm_jax.main`` calls it at start-up. It raises if
+TensorFlow already initialised its devices with an accelerator visible.
 """
 
 from __future__ import annotations
@@ -15,10 +25,38 @@ import tensorflow as tf
 
 from sagm_jax.data import augment as augment_lib
 
-try:
-    tf.config.set_visible_devices([], "GPU")
-except RuntimeError:  # TF already initialised its devices elsewhere; nothing to do.
-    pass
+ACCELERATOR_KINDS = ("GPU", "TPU")
+
+
+def hide_accelerators_from_tensorflow() -> None:
+    """Makes TensorFlow's GPUs and TPUs invisible to it, so that it takes none of their
+    memory (JAX has them). Call it before any TensorFlow op: TensorFlow fixes its
+    visible devices when it first initialises them. Calling it again is harmless, and
+    it does nothing where TensorFlow sees no accelerator (``tensorflow-cpu``).
+
+    Raises RuntimeError when it is too late: TensorFlow has already initialised its
+    devices with an accelerator visible (and holds memory on it)."""
+    for kind in ACCELERATOR_KINDS:
+        if not tf.config.list_physical_devices(kind):
+            continue
+        try:
+            tf.config.set_visible_devices([], kind)
+        except RuntimeError as error:
+            visible = tf.config.get_visible_devices(kind)
+            if not visible:
+                continue
+            names = ", ".join(d.name for d in visible)
+            raise RuntimeError(
+                f"TensorFlow already initialised its devices with {kind}s visible ({names}), "
+                f"so it holds {kind} memory that JAX needs, and they can no longer be hidden "
+                f"({error}). Something ran a TensorFlow op before sagm_jax hid them: call "
+                "sagm_jax.data.tf_input.hide_accelerators_from_tensorflow() (importing "
+                "sagm_jax.data.tf_input calls it) before any TensorFlow op, as sagm_jax.main "
+                "does at start-up."
+            ) from error
+
+
+hide_accelerators_from_tensorflow()
 
 AUTOTUNE = tf.data.AUTOTUNE
 # The 'step' folded into the seeds of augmented evaluation: beyond any training step.
@@ -32,11 +70,35 @@ def _pil_rgb(path: bytes) -> np.ndarray:
         return np.asarray(image.convert("RGB"), dtype=np.uint8)
 
 
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def is_gray16_png(raw):
+    """Whether the file bytes ``raw`` are a PNG of 16-bit grayscale samples without
+    alpha: its IHDR (always the first chunk) has bit depth 16 (byte 24) and colour
+    type 0 (byte 25)."""
+    head = tf.strings.join([tf.strings.substr(raw, 0, 26), b"\0" * 26])
+    return tf.logical_and(
+        tf.equal(tf.strings.substr(head, 0, 8), _PNG_SIGNATURE),
+        tf.equal(tf.strings.substr(head, 24, 2), b"\x10\x00"),
+    )
+
+
 def decode(path, needs_pil):
+    """uint8 [h, w, 3]: the file at ``path`` as ``Image.open(path).convert("RGB")``
+    gives it (module doc); ``needs_pil``: decode with PIL (formats TensorFlow lacks)."""
+
     def with_tf():
-        return tf.io.decode_image(
-            tf.io.read_file(path), channels=3, dtype=tf.uint8, expand_animations=False
-        )
+        raw = tf.io.read_file(path)
+
+        def gray16():  # PIL: mode "I;16", convert("RGB") clips to 255
+            gray = tf.io.decode_png(raw, channels=1, dtype=tf.uint16)
+            return tf.image.grayscale_to_rgb(tf.cast(tf.minimum(gray, 255), tf.uint8))
+
+        def other():
+            return tf.io.decode_image(raw, channels=3, dtype=tf.uint8, expand_animations=False)
+
+        return tf.cond(is_gray16_png(raw), gray16, other)
 
     def with_pil():
         return tf.numpy_function(_pil_rgb, [path], tf.uint8)
