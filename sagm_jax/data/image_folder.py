@@ -141,7 +141,28 @@ def scan_image_folder(
         raise DatasetNotFoundError(
             f"Dataset folder {root} has no domain sub-folders.\n{missing_help}"
         )
+    class_names, files_per_env = _list_files(root, env_names)
 
+    notable = {}
+    if verify_images:
+        notable = _check_all(root, [p for env in files_per_env for p, _ in env], cache_dir)
+    files_per_env, skipped = _leave_out_bad_files(
+        root, env_names, class_names, files_per_env, notable, skip_bad_files
+    )
+
+    paths = [[p for p, _ in env] for env in files_per_env]
+    labels = [np.asarray([y for _, y in env], dtype=np.int32) for env in files_per_env]
+    needs_pil = [
+        np.asarray([notable.get(_relative(root, p), (None, False))[1] for p in env], dtype=bool)
+        for env in paths
+    ]
+    fingerprint = make_fingerprint(root, env_names, class_names, paths, labels)
+    fingerprint["skipped"] = skipped
+    return FolderIndex(root, env_names, class_names, paths, labels, needs_pil, skipped, fingerprint)
+
+
+def _list_files(root: str, env_names: list[str]) -> tuple[list[str], list[list[tuple[str, int]]]]:
+    """Class names and every domain's (path, label) list; DatasetLayoutError on a bad tree."""
     class_names = None
     files_per_env: list[list[tuple[str, int]]] = []
     for domain in env_names:
@@ -163,61 +184,58 @@ def scan_image_folder(
                 f"{domain!r}: {only_here}; only in {first_domain!r}: {only_there}. Every domain "
                 "must have the same class folders (labels are their sorted order)."
             )
-        env_files = []
-        for label, cls in enumerate(classes):
-            class_dir = os.path.join(domain_dir, cls)
-            found = splits_lib.list_class_files(class_dir)
-            if not found:
-                raise DatasetLayoutError(
-                    f"Empty class folder {class_dir}: no files with an image extension "
-                    f"{splits_lib.IMAGE_EXTENSIONS} (case-insensitive), nested folders included."
-                )
-            env_files.extend((p, label) for p in found)
-        files_per_env.append(env_files)
+        files_per_env.append(_list_domain_files(domain_dir, classes))
+    return class_names, files_per_env
 
-    notable = {}
-    if verify_images:
-        notable = _check_all(root, [p for env in files_per_env for p, _ in env], cache_dir)
+
+def _list_domain_files(domain_dir: str, classes: list[str]) -> list[tuple[str, int]]:
+    """(path, label) of one domain's files, class by class; DatasetLayoutError on an empty class."""
+    env_files = []
+    for label, cls in enumerate(classes):
+        found = splits_lib.list_class_files(os.path.join(domain_dir, cls))
+        if not found:
+            raise DatasetLayoutError(
+                f"Empty class folder {os.path.join(domain_dir, cls)}: no files with an image "
+                f"extension {splits_lib.IMAGE_EXTENSIONS} (case-insensitive), nested folders "
+                "included."
+            )
+        env_files.extend((p, label) for p in found)
+    return env_files
+
+
+def _leave_out_bad_files(root, env_names, class_names, files_per_env, notable, skip_bad_files):
+    """(files_per_env, skipped) without the files that do not decode; raises unless skipping."""
     bad = [
         (p, notable[_relative(root, p)][0])
         for env in files_per_env
         for p, _ in env
         if notable.get(_relative(root, p), (None,))[0]
     ]
-    skipped = []
-    if bad:
-        listing = "\n".join(f"  {p}: {why}" for p, why in bad[:20])
-        more = f"\n  ... and {len(bad) - 20} more" if len(bad) > 20 else ""
-        if not skip_bad_files:
-            raise BadImageError(
-                f"{len(bad)} file(s) under {root} have an image extension but do not decode:\n"
-                f"{listing}{more}\nRe-download or remove them, or pass skip_bad_files=True "
-                "to leave them out (the skipped files are then reported and recorded)."
-            )
-        bad_set = {p for p, _ in bad}
-        skipped = [{"path": _relative(root, p), "reason": why} for p, why in bad]
-        log.warning(
-            "Skipping %d file(s) under %s that do not decode:\n%s%s", len(bad), root, listing, more
+    if not bad:
+        return files_per_env, []
+    listing = "\n".join(f"  {p}: {why}" for p, why in bad[:20])
+    more = f"\n  ... and {len(bad) - 20} more" if len(bad) > 20 else ""
+    if not skip_bad_files:
+        raise BadImageError(
+            f"{len(bad)} file(s) under {root} have an image extension but do not decode:\n"
+            f"{listing}{more}\nRe-download or remove them, or pass skip_bad_files=True "
+            "to leave them out (the skipped files are then reported and recorded)."
         )
-        files_per_env = [[(p, y) for p, y in env if p not in bad_set] for env in files_per_env]
-        for domain, env in zip(env_names, files_per_env):
-            present = {y for _, y in env}
-            for label, cls in enumerate(class_names):
-                if label not in present:
-                    raise DatasetLayoutError(
-                        f"Class folder {os.path.join(root, domain, cls)} has no decodable "
-                        "image left after skipping bad files."
-                    )
-
-    paths = [[p for p, _ in env] for env in files_per_env]
-    labels = [np.asarray([y for _, y in env], dtype=np.int32) for env in files_per_env]
-    needs_pil = [
-        np.asarray([notable.get(_relative(root, p), (None, False))[1] for p in env], dtype=bool)
-        for env in paths
-    ]
-    fingerprint = make_fingerprint(root, env_names, class_names, paths, labels)
-    fingerprint["skipped"] = skipped
-    return FolderIndex(root, env_names, class_names, paths, labels, needs_pil, skipped, fingerprint)
+    bad_set = {p for p, _ in bad}
+    skipped = [{"path": _relative(root, p), "reason": why} for p, why in bad]
+    log.warning(
+        "Skipping %d file(s) under %s that do not decode:\n%s%s", len(bad), root, listing, more
+    )
+    files_per_env = [[(p, y) for p, y in env if p not in bad_set] for env in files_per_env]
+    for domain, env in zip(env_names, files_per_env):
+        present = {y for _, y in env}
+        for label, cls in enumerate(class_names):
+            if label not in present:
+                raise DatasetLayoutError(
+                    f"Class folder {os.path.join(root, domain, cls)} has no decodable "
+                    "image left after skipping bad files."
+                )
+    return files_per_env, skipped
 
 
 def make_fingerprint(root, env_names, class_names, paths, labels) -> dict:

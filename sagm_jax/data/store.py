@@ -251,6 +251,62 @@ def _decode_chunk(job) -> int:
 
 
 # ---- the store ---------------------------------------------------------------------
+def _read_manifest(path: str, *, key: str | None, num_images: int | None) -> dict:
+    """The store's manifest, checked against the expected format, key and image count."""
+    manifest_path = os.path.join(path, MANIFEST)
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise StoreError(f"no {MANIFEST} (the build did not finish, or it was removed)")
+    except (OSError, ValueError) as e:
+        raise StoreError(f"{manifest_path} is unreadable ({type(e).__name__}: {e})")
+    expected = {"format": FORMAT_VERSION, "key": key, "num_images": num_images}
+    for name, want in expected.items():
+        if want is not None and manifest.get(name) != want:
+            raise StoreError(f"{MANIFEST} has {name}={manifest.get(name)!r}, expected {want!r}")
+    return manifest
+
+
+def _check_data_files(path: str, files: dict, *, check_data: bool) -> None:
+    """StoreError unless every data file has the manifest's size (and CRC-32 if check_data)."""
+    for name, info in files.items():
+        file_path = os.path.join(path, name)
+        try:
+            size = os.path.getsize(file_path)
+        except OSError:
+            raise StoreError(f"{name} is missing")
+        if size != info["bytes"]:
+            raise StoreError(
+                f"{name} has {size:,} bytes, the manifest says {info['bytes']:,} "
+                "(truncated or overwritten)"
+            )
+        if check_data and crc32_file(file_path) != info["crc32"]:
+            raise StoreError(
+                f"{name}'s CRC-32 differs from the manifest's (its bytes changed on disk)"
+            )
+
+
+def _load_layout(path: str, files: dict, n: int, s: int) -> tuple[np.ndarray, np.ndarray]:
+    """(shapes, offsets) from the store, checked against each other and the data files' sizes."""
+    try:
+        shapes = np.load(os.path.join(path, SHAPES))
+        offsets = np.load(os.path.join(path, OFFSETS))
+    except (OSError, ValueError) as e:
+        raise StoreError(f"{SHAPES} or {OFFSETS} is unreadable ({type(e).__name__}: {e})")
+    sizes = shapes.astype(np.int64).prod(axis=1) * 3 if shapes.ndim == 2 else None
+    if (
+        shapes.shape != (n, 2)
+        or offsets.shape != (n + 1,)
+        or offsets[0] != 0
+        or not np.array_equal(np.diff(offsets), sizes)
+        or offsets[-1] != files[PIXELS]["bytes"]
+        or files[EVAL]["bytes"] != n * s * s * 3
+    ):
+        raise StoreError(f"{SHAPES}, {OFFSETS} and the data files' sizes disagree")
+    return shapes, offsets
+
+
 class ImageStore:
     """A decoded store, memory-mapped read-only (module doc). Open with ``ImageStore.open``
     or ``open_source``."""
@@ -282,53 +338,14 @@ class ImageStore:
         check_data: bool = True,
     ) -> ImageStore:
         """Open and check the store at ``path``; ``StoreError`` says why it is unusable."""
-        manifest_path = os.path.join(path, MANIFEST)
-        try:
-            with open(manifest_path) as f:
-                manifest = json.load(f)
-        except FileNotFoundError:
-            raise StoreError(f"no {MANIFEST} (the build did not finish, or it was removed)")
-        except (OSError, ValueError) as e:
-            raise StoreError(f"{manifest_path} is unreadable ({type(e).__name__}: {e})")
-        expected = {"format": FORMAT_VERSION, "key": key, "num_images": num_images}
-        for name, want in expected.items():
-            if want is not None and manifest.get(name) != want:
-                raise StoreError(f"{MANIFEST} has {name}={manifest.get(name)!r}, expected {want!r}")
+        manifest = _read_manifest(path, key=key, num_images=num_images)
         try:
             files = {name: manifest["files"][name] for name in (PIXELS, EVAL, SHAPES, OFFSETS)}
             n, s = int(manifest["num_images"]), int(manifest["image_size"])
         except (KeyError, TypeError, ValueError) as e:
             raise StoreError(f"{MANIFEST} lacks a field ({type(e).__name__}: {e})")
-        for name, info in files.items():
-            file_path = os.path.join(path, name)
-            try:
-                size = os.path.getsize(file_path)
-            except OSError:
-                raise StoreError(f"{name} is missing")
-            if size != info["bytes"]:
-                raise StoreError(
-                    f"{name} has {size:,} bytes, the manifest says {info['bytes']:,} "
-                    "(truncated or overwritten)"
-                )
-            if check_data and crc32_file(file_path) != info["crc32"]:
-                raise StoreError(
-                    f"{name}'s CRC-32 differs from the manifest's (its bytes changed on disk)"
-                )
-        try:
-            shapes = np.load(os.path.join(path, SHAPES))
-            offsets = np.load(os.path.join(path, OFFSETS))
-        except (OSError, ValueError) as e:
-            raise StoreError(f"{SHAPES} or {OFFSETS} is unreadable ({type(e).__name__}: {e})")
-        sizes = shapes.astype(np.int64).prod(axis=1) * 3 if shapes.ndim == 2 else None
-        if (
-            shapes.shape != (n, 2)
-            or offsets.shape != (n + 1,)
-            or offsets[0] != 0
-            or not np.array_equal(np.diff(offsets), sizes)
-            or offsets[-1] != files[PIXELS]["bytes"]
-            or files[EVAL]["bytes"] != n * s * s * 3
-        ):
-            raise StoreError(f"{SHAPES}, {OFFSETS} and the data files' sizes disagree")
+        _check_data_files(path, files, check_data=check_data)
+        shapes, offsets = _load_layout(path, files, n, s)
         pixels = np.memmap(os.path.join(path, PIXELS), np.uint8, "r", shape=(int(offsets[-1]),))
         evals = np.memmap(os.path.join(path, EVAL), np.uint8, "r", shape=(n, s, s, 3))
         return cls(path, manifest, shapes.astype(np.int32), offsets.astype(np.int64), pixels, evals)
@@ -440,21 +457,14 @@ def _warn_stale(stores_dir: str, root: str, key: str, image_size: int, short_sid
 
 
 def _build(index, paths, sizes, key, final, *, image_size, short_side, workers, progress):
-    parent = os.path.dirname(final)
+    """Decode ``paths`` into a new store, renamed into place at ``final`` (atomic); open it."""
     n = len(paths)
     shapes = _stored_shapes(sizes, short_side)
     offsets = np.concatenate([[0], np.cumsum(shapes.astype(np.int64).prod(axis=1) * 3)])
-    eval_bytes = n * image_size * image_size * 3
-    tmp = tempfile.mkdtemp(prefix=f".build-{key[:16]}-", dir=parent)
+    tmp = tempfile.mkdtemp(prefix=f".build-{key[:16]}-", dir=os.path.dirname(final))
     start = time.perf_counter()
     try:
-        pixels_path, eval_path = os.path.join(tmp, PIXELS), os.path.join(tmp, EVAL)
-        for file_path, size in ((pixels_path, int(offsets[-1])), (eval_path, eval_bytes)):
-            with open(file_path, "wb") as f:
-                f.truncate(size)
-        np.save(os.path.join(tmp, SHAPES), shapes)
-        np.save(os.path.join(tmp, OFFSETS), offsets)
-
+        pixels_path, eval_path = _allocate(tmp, shapes, offsets, n * image_size * image_size * 3)
         workers = max(1, workers or _cpu_count())
         chunk = max(1, min(256, math.ceil(n / (workers * 8))))
         jobs = [
@@ -470,62 +480,14 @@ def _build(index, paths, sizes, key, final, *, image_size, short_side, workers, 
             )
             for i in range(0, n, chunk)
         ]
-        bar = tqdm(total=n, desc=f"Decoding {n:,} images once", unit="img", disable=not progress)
-        with bar:
-            if workers == 1 or len(jobs) == 1:
-                for job in jobs:
-                    bar.update(_decode_chunk(job))
-            else:
-                context = multiprocessing.get_context("spawn")
-                with concurrent.futures.ProcessPoolExecutor(
-                    min(workers, len(jobs)), mp_context=context
-                ) as pool:
-                    futures = [pool.submit(_decode_chunk, job) for job in jobs]
-                    try:
-                        for future in concurrent.futures.as_completed(futures):
-                            bar.update(future.result())
-                    except concurrent.futures.process.BrokenProcessPool as e:
-                        raise RuntimeError(
-                            "A decoding worker process died: out of memory, or the main script "
-                            "cannot be imported again by a spawned process (run it from a file "
-                            "or module with an `if __name__ == '__main__':` guard), or pass "
-                            "workers=1 to decode in this process."
-                        ) from e
-                    except BaseException:
-                        pool.shutdown(cancel_futures=True)
-                        raise
-
-        files = {}
-        for name in (PIXELS, EVAL, SHAPES, OFFSETS):
-            file_path = os.path.join(tmp, name)
-            files[name] = {"bytes": os.path.getsize(file_path), "crc32": crc32_file(file_path)}
-        manifest = {
-            "format": FORMAT_VERSION,
-            "key": key,
-            "num_images": n,
-            "image_size": image_size,
-            "short_side": short_side,
-            "canvas": [int(x) for x in shapes.max(axis=0)],
-            "root": os.path.realpath(index.root),
-            "files": files,
-            "build_seconds": round(time.perf_counter() - start, 3),
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        }
-        with open(os.path.join(tmp, MANIFEST), "w") as f:  # last: marks the store complete
-            json.dump(manifest, f, indent=1)
-        try:
-            os.rename(tmp, final)
-            tmp = None
-        except OSError:  # another process placed its store first
-            try:
-                theirs = ImageStore.open(final, key=key, num_images=n)
-                log.info("Another process built %s first; using it.", final)
-                return theirs
-            except StoreError as e:
-                log.warning("The store another process placed at %s is unusable (%s).", final, e)
-                _discard(final)
-                os.rename(tmp, final)
-                tmp = None
+        _run_decode_jobs(jobs, workers, n, progress=progress)
+        manifest = _write_manifest(
+            tmp, key, n, image_size, short_side, shapes, os.path.realpath(index.root), start
+        )
+        theirs = _rename_into_place(tmp, final, key, n)
+        if theirs is not None:
+            return theirs
+        tmp = None
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -533,10 +495,88 @@ def _build(index, paths, sizes, key, final, *, image_size, short_side, workers, 
         "Built %s: %d images, %.2f GiB, in %.1f s.",
         final,
         n,
-        sum(f["bytes"] for f in files.values()) / 2**30,
+        sum(f["bytes"] for f in manifest["files"].values()) / 2**30,
         manifest["build_seconds"],
     )
     return ImageStore.open(final, key=key, num_images=n, check_data=False)
+
+
+def _allocate(tmp: str, shapes, offsets, eval_bytes: int) -> tuple[str, str]:
+    """Allocate the pixel and eval files (zero-filled) and save shapes and offsets in ``tmp``."""
+    pixels_path, eval_path = os.path.join(tmp, PIXELS), os.path.join(tmp, EVAL)
+    for file_path, size in ((pixels_path, int(offsets[-1])), (eval_path, eval_bytes)):
+        with open(file_path, "wb") as f:
+            f.truncate(size)
+    np.save(os.path.join(tmp, SHAPES), shapes)
+    np.save(os.path.join(tmp, OFFSETS), offsets)
+    return pixels_path, eval_path
+
+
+def _run_decode_jobs(jobs: list, workers: int, n: int, *, progress: bool) -> None:
+    """Run ``_decode_chunk`` on every job, here or in spawned worker processes, with a bar."""
+    bar = tqdm(total=n, desc=f"Decoding {n:,} images once", unit="img", disable=not progress)
+    with bar:
+        if workers == 1 or len(jobs) == 1:
+            for job in jobs:
+                bar.update(_decode_chunk(job))
+            return
+        context = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(
+            min(workers, len(jobs)), mp_context=context
+        ) as pool:
+            futures = [pool.submit(_decode_chunk, job) for job in jobs]
+            try:
+                for future in concurrent.futures.as_completed(futures):
+                    bar.update(future.result())
+            except concurrent.futures.process.BrokenProcessPool as e:
+                raise RuntimeError(
+                    "A decoding worker process died: out of memory, or the main script "
+                    "cannot be imported again by a spawned process (run it from a file "
+                    "or module with an `if __name__ == '__main__':` guard), or pass "
+                    "workers=1 to decode in this process."
+                ) from e
+            except BaseException:
+                pool.shutdown(cancel_futures=True)
+                raise
+
+
+def _write_manifest(tmp, key, n, image_size, short_side, shapes, root, start) -> dict:
+    """Checksum the data files and write the manifest (last: it marks the store complete)."""
+    files = {}
+    for name in (PIXELS, EVAL, SHAPES, OFFSETS):
+        file_path = os.path.join(tmp, name)
+        files[name] = {"bytes": os.path.getsize(file_path), "crc32": crc32_file(file_path)}
+    manifest = {
+        "format": FORMAT_VERSION,
+        "key": key,
+        "num_images": n,
+        "image_size": image_size,
+        "short_side": short_side,
+        "canvas": [int(x) for x in shapes.max(axis=0)],
+        "root": root,
+        "files": files,
+        "build_seconds": round(time.perf_counter() - start, 3),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+    }
+    with open(os.path.join(tmp, MANIFEST), "w") as f:  # last: marks the store complete
+        json.dump(manifest, f, indent=1)
+    return manifest
+
+
+def _rename_into_place(tmp: str, final: str, key: str, n: int) -> ImageStore | None:
+    """Rename ``tmp`` to ``final``; if another process placed a usable store first, return it."""
+    try:
+        os.rename(tmp, final)
+    except OSError:  # another process placed its store first
+        try:
+            theirs = ImageStore.open(final, key=key, num_images=n)
+            log.info("Another process built %s first; using it.", final)
+            return theirs
+        except StoreError as e:
+            log.warning("The store another process placed at %s is unusable (%s).", final, e)
+            _discard(final)
+            os.rename(tmp, final)
+    return None
 
 
 def open_source(
@@ -571,34 +611,14 @@ def open_source(
     os.makedirs(stores_dir, exist_ok=True)
     key = store_key(index.root, paths, image_size, short_side)
     final = os.path.join(stores_dir, key)
-    if os.path.exists(final):
-        try:
-            return ImageStore.open(final, key=key, num_images=len(paths))
-        except StoreError as e:
-            log.warning("The decoded store %s is unusable: %s. Rebuilding it.", final, e)
-            _discard(final)
-    else:
-        _warn_stale(stores_dir, index.root, key, image_size, short_side)
+    reused = _open_existing(stores_dir, final, index.root, key, len(paths), image_size, short_side)
+    if reused is not None:
+        return reused
 
     sizes = read_sizes(paths, progress=progress)
     need = estimate_store_bytes(sizes, image_size, short_side)
-    free = shutil.disk_usage(stores_dir).free
-    if mode == "auto" and (need > budget_gb * 2**30 or need > free):
-        log.info(
-            "Streaming %s: a decoded store would take %.1f GiB (budget %.1f GiB, %.1f GiB free "
-            "in %s).",
-            index.root,
-            need / 2**30,
-            budget_gb,
-            free / 2**30,
-            stores_dir,
-        )
+    if _too_big_to_store(index.root, stores_dir, need, mode=mode, budget_gb=budget_gb):
         return StreamingSource(paths, sizes, image_size=image_size, short_side=short_side)
-    if need > free:
-        raise OSError(
-            f"The decoded store of {index.root} needs {need / 2**30:.1f} GiB but {stores_dir} "
-            f"has {free / 2**30:.1f} GiB free; free space, set cache_dir elsewhere, or stream."
-        )
     log.info("Decoding %d images of %s once into %s.", len(paths), index.root, final)
     return _build(
         index,
@@ -611,3 +631,38 @@ def open_source(
         workers=workers,
         progress=progress,
     )
+
+
+def _open_existing(stores_dir, final, root, key, n, image_size, short_side) -> ImageStore | None:
+    """The valid store at ``final``, or None (a bad one is discarded; stale ones are logged)."""
+    if os.path.exists(final):
+        try:
+            return ImageStore.open(final, key=key, num_images=n)
+        except StoreError as e:
+            log.warning("The decoded store %s is unusable: %s. Rebuilding it.", final, e)
+            _discard(final)
+    else:
+        _warn_stale(stores_dir, root, key, image_size, short_side)
+    return None
+
+
+def _too_big_to_store(root, stores_dir, need: int, *, mode: str, budget_gb: float) -> bool:
+    """Whether 'auto' streams (logged) instead of storing ``need`` bytes; OSError if no room."""
+    free = shutil.disk_usage(stores_dir).free
+    if mode == "auto" and (need > budget_gb * 2**30 or need > free):
+        log.info(
+            "Streaming %s: a decoded store would take %.1f GiB (budget %.1f GiB, %.1f GiB free "
+            "in %s).",
+            root,
+            need / 2**30,
+            budget_gb,
+            free / 2**30,
+            stores_dir,
+        )
+        return True
+    if need > free:
+        raise OSError(
+            f"The decoded store of {root} needs {need / 2**30:.1f} GiB but {stores_dir} "
+            f"has {free / 2**30:.1f} GiB free; free space, set cache_dir elsewhere, or stream."
+        )
+    return False
