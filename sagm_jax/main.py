@@ -15,7 +15,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from sagm_jax import cli
+from sagm_jax import cli, cpu
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", lock_config=True, help_string="A configs/*.py file."
@@ -96,6 +96,7 @@ def _local_device_count() -> int:
 
 def main(argv):
     del argv
+    cpu.configure()  # XLA reads its flags once, when JAX starts its backend
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as Ctrl-C does

@@ -40,6 +40,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
+from flax.linen.dtypes import promote_dtype
 
 from sagm_jax.models.mixstyle import MixStyle
 
@@ -81,18 +82,65 @@ def torch_linear_init(fan_in: int):
     return init
 
 
-def conv(features: int, kernel: int, stride: int, name: str) -> nn.Conv:
+def conv(features: int, kernel: int, stride: int, name: str) -> "Conv":
     """A bias-free convolution padded symmetrically by kernel // 2, as torchvision's."""
-    pad = kernel // 2
-    return nn.Conv(
-        features,
-        (kernel, kernel),
-        strides=(stride, stride),
-        padding=((pad, pad), (pad, pad)),
-        use_bias=False,
-        kernel_init=conv_init,
-        name=name,
-    )
+    return Conv(features, kernel, stride, name=name)
+
+
+def uses_patches(kernel: int, input_size: int, output_size: int) -> bool:
+    """Whether ``Conv`` computes as patches times a matrix instead of XLA's convolution.
+
+    XLA's CPU backend swaps the operands of a convolution whose kernel is larger
+    than its input or output (a 3x3 kernel on the 2x2 maps of ResNet's last stage at
+    64x64 images, and the backward pass of the stride-2 conv before it) and runs the
+    swapped one as a naive loop, 20-100 times slower than the same arithmetic as one
+    dot. 1x1 convolutions are a dot already (strided: a strided slice first).
+    """
+    return kernel == 1 or kernel > min(input_size, output_size)
+
+
+def conv_as_patches(x: jax.Array, w: jax.Array, stride: int, pad: int) -> jax.Array:
+    """The convolution of NHWC ``x`` with HWIO ``w`` as a dot of its k*k shifted windows."""
+    k = w.shape[0]
+    _, height, width, channels = x.shape
+    out_h = (height + 2 * pad - k) // stride + 1
+    out_w = (width + 2 * pad - k) // stride + 1
+    if pad:
+        x = jnp.pad(x, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
+    windows = [
+        x[:, i : i + stride * (out_h - 1) + 1 : stride, j : j + stride * (out_w - 1) + 1 : stride]
+        for i in range(k)
+        for j in range(k)
+    ]
+    patches = windows[0] if k == 1 else jnp.concatenate(windows, axis=-1)
+    return jnp.einsum("bhwk,ko->bhwo", patches, w.reshape(k * k * channels, -1))
+
+
+class Conv(nn.Module):
+    """``nn.Conv(features, (k, k), strides=stride, padding=k // 2, use_bias=False)``.
+
+    Same parameter (``kernel``, HWIO, torchvision's init) and the same result up to
+    float rounding; on the CPU, where XLA's convolution is slow (``uses_patches``), it
+    is computed as a dot of patches instead (accelerators keep XLA's convolution).
+    """
+
+    features: int
+    kernel: int
+    stride: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        k, stride, pad = self.kernel, self.stride, self.kernel // 2
+        w = self.param("kernel", conv_init, (k, k, x.shape[-1], self.features))
+        x, w = promote_dtype(x, w, dtype=None)
+        size = min(x.shape[1:3])
+        on_cpu = jax.default_backend() == "cpu"  # GPUs and TPUs: their own convolutions
+        if on_cpu and uses_patches(k, size, (size + 2 * pad - k) // stride + 1):
+            return conv_as_patches(x, w, stride, pad)
+        return jax.lax.conv_general_dilated(
+            x, w, (stride, stride), ((pad, pad), (pad, pad)),
+            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        )
 
 
 def batchnorm(use_running_average: bool, name: str) -> nn.BatchNorm:

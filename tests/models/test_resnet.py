@@ -186,3 +186,48 @@ def test_with_pretrained_backbone_rejects_the_wrong_architecture_naming_entries(
         r"mis-shaped: .*params/layer1_0/conv1/kernel: converted \(3, 3, 64, 64\)",
     ):
         models.with_pretrained_backbone(fresh, converted)
+
+
+def _numpy_convolution(x, w, stride, pad):
+    """Float64 convolution by its definition: torchvision's padding, NHWC x HWIO."""
+    k = w.shape[0]
+    x = np.pad(x, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
+    out_h = (x.shape[1] - k) // stride + 1
+    out_w = (x.shape[2] - k) // stride + 1
+    out = np.zeros((x.shape[0], out_h, out_w, w.shape[-1]))
+    for i in range(out_h):
+        for j in range(out_w):
+            window = x[:, i * stride : i * stride + k, j * stride : j * stride + k, :]
+            out[:, i, j] = np.einsum("bhwc,hwco->bo", window, w)
+    return out
+
+
+@pytest.mark.parametrize("kernel,stride", [(1, 1), (1, 2), (3, 1), (3, 2), (7, 2)])
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 7])
+def test_conv_as_patches_equals_the_convolution(kernel, stride, size):
+    """The CPU's dot-of-windows form of a convolution (used where XLA's CPU convolution
+    is slow: kernels larger than the map, 1x1): values against a float64 convolution by
+    its definition, gradients against XLA's convolution."""
+    from sagm_jax.models.resnet import conv_as_patches
+
+    rng = np.random.default_rng(kernel * 100 + stride * 10 + size)
+    x = rng.normal(size=(2, size, size, 5))
+    w = rng.normal(size=(kernel, kernel, 5, 4))
+    pad = kernel // 2
+    x32, w32 = jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32)
+
+    def xla(x, w):
+        return jax.lax.conv_general_dilated(
+            x, w, (stride, stride), ((pad, pad), (pad, pad)),
+            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+            precision=jax.lax.Precision.HIGHEST,
+        )
+
+    got = conv_as_patches(x32, w32, stride, pad)
+    np.testing.assert_allclose(got, _numpy_convolution(x, w, stride, pad), rtol=1e-5, atol=1e-5)
+    squared = lambda f: lambda x, w: jnp.sum(f(x, w) ** 2)  # noqa: E731
+    got_grads = jax.grad(squared(lambda x, w: conv_as_patches(x, w, stride, pad)), (0, 1))(
+        x32, w32
+    )
+    for g, e in zip(got_grads, jax.grad(squared(xla), (0, 1))(x32, w32)):
+        np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-4)
