@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import sagm_jax
+import sagm_jax.cpu
 from sagm_jax import models
 from sagm_jax.train_step import create_train_state, make_train_step
 
@@ -105,6 +106,7 @@ def main():
     parser.add_argument("--batch", type=int, default=None, help="override every setup's batch")
     parser.add_argument("--compute_dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args()
+    sagm_jax.cpu.configure()  # the XLA options training runs with, before JAX starts
     print(
         f"device: {jax.devices()[0].device_kind} x{jax.device_count()}, "
         f"{platform.processor() or platform.machine()}, jax {jax.__version__}; "
