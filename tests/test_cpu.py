@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from sagm_jax import cpu
@@ -12,9 +13,6 @@ from sagm_jax import cpu
 # ResNet-50's gradient at 32x32 (batch 4): the smallest step where the schedule matters.
 SCRIPT = """
 import hashlib, json, sys
-if sys.argv[1] == "configure":
-    import sagm_jax.cpu
-    sagm_jax.cpu.configure()
 import jax, jax.numpy as jnp, numpy as np
 from sagm_jax import models
 model = models.create("resnet50", 7)
@@ -22,25 +20,68 @@ x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 32, 32, 3)), jnp.float3
 variables = jax.jit(lambda x: model.init(jax.random.key(0), x, train=False))(x)
 loss = lambda p, s, x: jnp.mean(model.apply({"params": p, "batch_stats": s}, x, train=True) ** 2)
 compiled = jax.jit(jax.grad(loss)).lower(variables["params"], variables["batch_stats"], x).compile()
-grads = compiled(variables["params"], variables["batch_stats"], x)
-digest = hashlib.sha256(b"".join(np.asarray(g).tobytes() for g in jax.tree.leaves(grads)))
+grads = jax.tree.leaves(compiled(variables["params"], variables["batch_stats"], x))
+np.savez(sys.argv[1], *[np.asarray(g) for g in grads])
+digest = hashlib.sha256(b"".join(np.asarray(g).tobytes() for g in grads))
 temp = compiled.memory_analysis().temp_size_in_bytes
 print(json.dumps({"temp": temp, "grads": digest.hexdigest()}))
 """
 
 
-def _run(mode):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+def _run(tmp_path, name, flags):
+    """The script in a fresh process whose XLA_FLAGS are exactly ``flags``."""
+    env = {**os.environ, "XLA_FLAGS": " ".join(flags)}
+    path = str(tmp_path / f"{name}.npz")
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, env=env, check=True
+        [sys.executable, "-c", SCRIPT, path], capture_output=True, text=True, env=env, check=True
+    )
+    with np.load(path) as grads:
+        return json.loads(out.stdout.strip().splitlines()[-1]), [grads[k] for k in grads.files]
+
+
+def test_the_schedule_flag_shrinks_the_step_buffers_and_keeps_its_numbers(tmp_path):
+    (plain, _), (scheduled, _) = _run(tmp_path, "plain", []), _run(tmp_path, "s", cpu.CPU_FLAGS[:1])
+    assert scheduled["temp"] < 0.8 * plain["temp"], (plain, scheduled)
+    assert scheduled["grads"] == plain["grads"]  # bit-identical: only the schedule changed
+
+
+def test_all_flags_change_the_gradient_by_float_rounding_only(tmp_path):
+    (_, plain), (_, configured) = _run(tmp_path, "plain", []), _run(tmp_path, "c", cpu.CPU_FLAGS)
+    assert len(plain) == len(configured) == 161  # every parameter of ResNet-50 and its head
+    for expected, got in zip(plain, configured):
+        scale = np.abs(expected).max()
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5 * scale)
+
+
+FUSIONS_SCRIPT = """
+import json
+import jax, jax.numpy as jnp
+x, w, m = jnp.ones((8, 8, 8, 64)), jnp.ones((3, 3, 64, 64)), jnp.ones((64, 64))
+programs = {
+    "convolution": (lambda x, w: jax.lax.conv_general_dilated(
+        x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")), x, w),
+    "reduce": (lambda x: jnp.sum(x, axis=(0, 1, 2)), x),
+    "dot": (lambda a, m: a @ m, x.reshape(-1, 64), m),
+}
+hlo = {name: jax.jit(f).lower(*args).compile().as_text() for name, (f, *args) in programs.items()}
+print(json.dumps(sorted(name for name, text in hlo.items() if "__ynn_fusion" in text)))
+"""
+
+
+def _ynn_operations(flags):
+    env = {**os.environ, "XLA_FLAGS": " ".join(flags)}
+    out = subprocess.run(
+        [sys.executable, "-c", FUSIONS_SCRIPT], capture_output=True, text=True, env=env, check=True
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_flags_shrink_the_step_buffers_and_keep_its_numbers():
-    plain, configured = _run("plain"), _run("configure")
-    assert configured["temp"] < 0.8 * plain["temp"], (plain, configured)
-    assert configured["grads"] == plain["grads"]  # bit-identical: only the schedule changed
+def test_reductions_and_dots_go_to_ynnpack_and_convolutions_stay_with_xla():
+    """The fusion-type flag reaches XLA: compiled alone, a column sum (BatchNorm's bias
+    gradient) and a dot are YNNPACK fusions, a 3x3 convolution is XLA's own (by default
+    YNNPACK takes it)."""
+    assert _ynn_operations(cpu.CPU_FLAGS) == ["dot", "reduce"]
+    assert "convolution" in _ynn_operations([])
 
 
 def test_configure_adds_missing_flags_once_and_keeps_the_users(monkeypatch):

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 from flax.linen.dtypes import promote_dtype
 
+from sagm_jax.models.cpu_ops import conv_as_patches, max_pool, uses_patches
 from sagm_jax.models.mixstyle import MixStyle
 
 BATCHNORM_EPS = 1e-5
@@ -82,38 +83,14 @@ def torch_linear_init(fan_in: int):
     return init
 
 
+def on_cpu() -> bool:
+    """Whether to use ``cpu_ops``' forms; GPUs and TPUs keep XLA's own operations."""
+    return jax.default_backend() == "cpu"
+
+
 def conv(features: int, kernel: int, stride: int, name: str) -> "Conv":
     """A bias-free convolution padded symmetrically by kernel // 2, as torchvision's."""
     return Conv(features, kernel, stride, name=name)
-
-
-def uses_patches(kernel: int, input_size: int, output_size: int) -> bool:
-    """Whether ``Conv`` computes as patches times a matrix instead of XLA's convolution.
-
-    XLA's CPU backend swaps the operands of a convolution whose kernel is larger
-    than its input or output (a 3x3 kernel on the 2x2 maps of ResNet's last stage at
-    64x64 images, and the backward pass of the stride-2 conv before it) and runs the
-    swapped one as a naive loop, 20-100 times slower than the same arithmetic as one
-    dot. 1x1 convolutions are a dot already (strided: a strided slice first).
-    """
-    return kernel == 1 or kernel > min(input_size, output_size)
-
-
-def conv_as_patches(x: jax.Array, w: jax.Array, stride: int, pad: int) -> jax.Array:
-    """The convolution of NHWC ``x`` with HWIO ``w`` as a dot of its k*k shifted windows."""
-    k = w.shape[0]
-    _, height, width, channels = x.shape
-    out_h = (height + 2 * pad - k) // stride + 1
-    out_w = (width + 2 * pad - k) // stride + 1
-    if pad:
-        x = jnp.pad(x, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
-    windows = [
-        x[:, i : i + stride * (out_h - 1) + 1 : stride, j : j + stride * (out_w - 1) + 1 : stride]
-        for i in range(k)
-        for j in range(k)
-    ]
-    patches = windows[0] if k == 1 else jnp.concatenate(windows, axis=-1)
-    return jnp.einsum("bhwk,ko->bhwo", patches, w.reshape(k * k * channels, -1))
 
 
 class Conv(nn.Module):
@@ -134,8 +111,7 @@ class Conv(nn.Module):
         w = self.param("kernel", conv_init, (k, k, x.shape[-1], self.features))
         x, w = promote_dtype(x, w, dtype=None)
         size = min(x.shape[1:3])
-        on_cpu = jax.default_backend() == "cpu"  # GPUs and TPUs: their own convolutions
-        if on_cpu and uses_patches(k, size, (size + 2 * pad - k) // stride + 1):
+        if on_cpu() and uses_patches(k, size, (size + 2 * pad - k) // stride + 1):
             return conv_as_patches(x, w, stride, pad)
         return jax.lax.conv_general_dilated(
             x, w, (stride, stride), ((pad, pad), (pad, pad)),
@@ -229,7 +205,10 @@ class ResNet(nn.Module):
 
         x = conv(64, 7, 2, "conv1")(x)
         x = nn.relu(batchnorm(use_running_average, "bn1")(x))
-        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+        if on_cpu():
+            x = max_pool(x, 3, 2, 1)  # the same numbers, a CPU-friendly gradient (cpu_ops)
+        else:
+            x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
         for stage, (width, blocks) in enumerate(zip(STAGE_WIDTHS, stage_sizes), start=1):
             for index in range(blocks):
                 stride = 2 if stage > 1 and index == 0 else 1

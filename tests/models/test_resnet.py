@@ -208,7 +208,7 @@ def test_conv_as_patches_equals_the_convolution(kernel, stride, size):
     """The CPU's dot-of-windows form of a convolution (used where XLA's CPU convolution
     is slow: kernels larger than the map, 1x1): values against a float64 convolution by
     its definition, gradients against XLA's convolution."""
-    from sagm_jax.models.resnet import conv_as_patches
+    from sagm_jax.models.cpu_ops import conv_as_patches
 
     rng = np.random.default_rng(kernel * 100 + stride * 10 + size)
     x = rng.normal(size=(2, size, size, 5))
@@ -231,3 +231,47 @@ def test_conv_as_patches_equals_the_convolution(kernel, stride, size):
     )
     for g, e in zip(got_grads, jax.grad(squared(xla), (0, 1))(x32, w32)):
         np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-4)
+
+
+def _numpy_max_pool(x, window, stride, pad, dy):
+    """Max-pooling by its definition, in float64, and torch's gradient rule: each output's
+    gradient goes to the first maximal position of its window (row-major)."""
+    batch, height, width, channels = x.shape
+    padded = np.pad(x, ((0, 0), (pad, pad), (pad, pad), (0, 0)), constant_values=-np.inf)
+    out_h, out_w = dy.shape[1:3]
+    y = np.empty(dy.shape)
+    dx = np.zeros(padded.shape)
+    for b in range(batch):
+        for c in range(channels):
+            for i in range(out_h):
+                for j in range(out_w):
+                    win = padded[b, i * stride : i * stride + window, j * stride : j * stride + window, c]
+                    r, s = np.unravel_index(np.argmax(win), win.shape)  # argmax: the first maximum
+                    y[b, i, j, c] = win[r, s]
+                    dx[b, i * stride + r, j * stride + s, c] += dy[b, i, j, c]
+    return y, dx[:, pad : pad + height, pad : pad + width]
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 8])
+@pytest.mark.parametrize("ties", [False, True])
+def test_cpu_max_pool_equals_max_pooling_and_torchs_gradient(size, ties):
+    """The CPU's max-pool (ResNet's 3x3, stride 2, pad 1): values exactly, and the
+    gradient of the first maximum of each window, against a float64 loop; with many
+    ties (small integers) too. XLA's own max-pool gradient agrees."""
+    import flax.linen as nn
+
+    from sagm_jax.models.cpu_ops import max_pool
+
+    rng = np.random.default_rng(size + 10 * ties)
+    x = rng.integers(0, 3, (2, size, size, 3)) if ties else rng.normal(size=(2, size, size, 3))
+    x = x.astype(np.float32)
+    out = (size + 2 - 3) // 2 + 1
+    dy = rng.normal(size=(2, out, out, 3)).astype(np.float32)
+    expected_y, expected_dx = _numpy_max_pool(x.astype(np.float64), 3, 2, 1, dy)
+    y, vjp = jax.vjp(lambda x: max_pool(x, 3, 2, 1), jnp.asarray(x))
+    np.testing.assert_array_equal(y, expected_y)
+    np.testing.assert_allclose(vjp(jnp.asarray(dy))[0], expected_dx, rtol=1e-6, atol=1e-6)
+    xla = lambda x: nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))  # noqa: E731
+    np.testing.assert_allclose(
+        jax.vjp(xla, jnp.asarray(x))[1](jnp.asarray(dy))[0], expected_dx, rtol=1e-6, atol=1e-6
+    )
