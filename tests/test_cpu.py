@@ -91,10 +91,10 @@ def test_configure_adds_missing_flags_once_and_keeps_the_users(monkeypatch):
     expected = ["--xla_force_host_platform_device_count=8", *cpu.CPU_FLAGS]
     assert os.environ["XLA_FLAGS"].split() == expected
     assert cpu.configure() == []  # idempotent
-    user = "--xla_cpu_enable_concurrency_optimized_scheduler=true"
+    user = "--xla_cpu_enable_concurrency_optimized_scheduler=true"  # the user's own value
     monkeypatch.setenv("XLA_FLAGS", user)
-    assert cpu.configure() == []
-    assert os.environ["XLA_FLAGS"] == user
+    assert cpu.configure() == list(cpu.CPU_FLAGS[1:])  # only the flags the user did not set
+    assert os.environ["XLA_FLAGS"].split() == [user, *cpu.CPU_FLAGS[1:]]
 
 
 def test_configure_after_the_backend_started_warns_and_changes_nothing(monkeypatch):
