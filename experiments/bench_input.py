@@ -141,7 +141,15 @@ def bench_size(name, width, height, args, cores, have_tf):
     with tempfile.TemporaryDirectory() as tmp:
         folder = os.path.join(tmp, "data")
         write_tree(folder, width, height, args.images_per_class)
-        ds = data.load("ImageFolder", folder, trial_seed=0, cache_dir=None, verify_images=False)
+        tf_data = data.tf_data_source if have_tf else None  # None: the split alone
+        ds = data.load(
+            "ImageFolder",
+            folder,
+            trial_seed=0,
+            cache_dir=None,
+            verify_images=False,
+            open_images=tf_data,
+        )
         index = ds.folder
         n = sum(len(p) for p in index.paths)
         row["n"] = n

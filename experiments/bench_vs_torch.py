@@ -29,6 +29,7 @@ losses and the updated parameters differ.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import subprocess
 import sys
@@ -217,7 +218,7 @@ def ours_setup(arch, size, batch, algorithm, dropout=DROPOUT, variables=None):
 def peak_rss_child(side, row, threads):
     """Peak RSS (MiB) of a fresh process that builds ``side``'s step of ``row``, runs two steps."""
     code = (
-        "import sys; sys.path.insert(0, 'experiments'); import bench_vs_torch as b\n"
+        "import bench_vs_torch as b\n"
         f"if {side!r} == 'ours': import sagm_jax.cpu; sagm_jax.cpu.configure()\n"
         f"row = b.ROWS[{row}]\n"
         f"run = (b.ours_setup(*row) if {side!r} == 'ours' else b.torch_setup(*row, {threads}))[0]\n"
@@ -226,7 +227,10 @@ def peak_rss_child(side, row, threads):
         "hwm = next(l for l in open('/proc/self/status') if l.startswith('VmHWM'))\n"
         "print(int(hwm.split()[1]) / 1024)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    here = os.path.dirname(os.path.abspath(__file__))  # `python -c` imports from its cwd
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=here
+    )
     return float(out.stdout.strip().splitlines()[-1])
 
 

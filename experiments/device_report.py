@@ -17,8 +17,8 @@ training domain x 3).
 - ``loop``: a PACS-like folder (4 domains x 7 classes of 227x227 JPEGs, written
   here) opened as training opens it (``sagm_jax.data.from_config``: the decoded
   store, built once and timed), then ``--loop_steps`` steps of the real loop
-  (``train_iterator`` -> ``prefetch_to_mesh`` -> ``train_step.build_train_step``' jitted step with the
-  device augmentation; the loss read every 10 steps as the run loop does), against
+  (``train_iterator`` -> ``prefetch_to_mesh`` -> ``train_step.data_parallel_train_step``'s
+  jitted step with the device augmentation; the loss read every 10 steps as the run loop does), against
   the same step on one constant batch already on the device, in alternating
   chunks. Input-bound fraction = loop steps/s / constant-batch steps/s. Also: seconds
   per evaluation pass over every split of the folder (``evaluation.Evaluator``).
@@ -39,11 +39,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+import bench_input  # experiments/, the script's own folder
+import bench_train_step
+from sagm_jax.data import device_augment
 
-from experiments import bench_input, bench_train_step  # noqa: E402
-from sagm_jax.data import device_augment  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 ALGORITHMS = bench_train_step.ALGORITHMS
 

@@ -31,10 +31,7 @@ import types
 import numpy as np
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from sagm_jax.models.synthetic import (  # noqa: E402
+from sagm_jax.models.synthetic import (
     GOLDEN_ARCHS,
     GOLDEN_BATCH,
     GOLDEN_IMAGE_SEED,
@@ -44,7 +41,9 @@ from sagm_jax.models.synthetic import (  # noqa: E402
     draw_torchvision_weights,
     weights_fingerprint,
 )
-from sagm_jax.models.torchvision_weights import torchvision_layout  # noqa: E402
+from sagm_jax.models.torchvision_weights import torchvision_layout
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def import_torchvision_resnet():

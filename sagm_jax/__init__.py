@@ -5,8 +5,13 @@ Sub-packages and modules, each owning one part:
   sharpness    local sharpness h_rho (the paper's Figure 3).
   models       Flax ResNets with torchvision weights, DomainBed's MNIST CNN, MixStyle.
   data         DomainBed datasets, splits and input pipelines.
+  rundir       the run directory: its file names, records and readers, ``find_runs``.
+  sweep        ``python -m sagm_jax.sweep``: a grid of runs, each run exactly once.
+  collect_results, sharpness_curves
+               ``python -m``: a sweep's result tables; its local sharpness curves.
   train        the training program (train_step, rundir, checkpoints, evaluation);
-               ``load_run(workdir, which="best")`` gives a trained run's model.
+               ``load_run(workdir, which="best")`` gives a trained run's model,
+               ``preprocess(workdir, images)`` its input.
 """
 
 from sagm_jax.optimizers import (
@@ -34,6 +39,7 @@ __all__ = [
     "sam",
     "sharpness",
     "load_run",
+    "preprocess",
 ]
 
 
@@ -43,3 +49,11 @@ def load_run(workdir: str, which="best"):
     from sagm_jax.train import load_run as load
 
     return load(workdir, which)
+
+
+def preprocess(workdir: str, images):
+    """``images`` as the run in ``workdir`` evaluates them: see
+    :func:`sagm_jax.train.preprocess` (imported on first use, as ``load_run``)."""
+    from sagm_jax.train import preprocess as prepare
+
+    return prepare(workdir, images)

@@ -23,7 +23,9 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
-DIRECTORY = "checkpoints"
+from sagm_jax import rundir
+
+DIRECTORY = rundir.CHECKPOINTS
 
 
 def _rank(metrics: dict):

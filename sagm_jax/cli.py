@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -25,6 +26,9 @@ from typing import Callable, Sequence
 import ml_collections
 
 from sagm_jax import config as config_lib
+from sagm_jax import models
+from sagm_jax.formatting import flag_value
+from sagm_jax.rundir import find_runs
 
 PROGRAM = "python -m sagm_jax.main"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,8 +76,6 @@ def load_config_file(path: str) -> ml_collections.ConfigDict:
             f"--config={path}: no such file. Expected one of {_config_files()} "
             "(a Python file with get_config())."
         )
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location("_sagm_jax_config_file", path)
     try:
         module = importlib.util.module_from_spec(spec)
@@ -84,6 +86,20 @@ def load_config_file(path: str) -> ml_collections.ConfigDict:
             f"--config={path}: could not load it ({type(error).__name__}: {error}). "
             "Expected a Python file whose get_config() returns an ml_collections.ConfigDict."
         ) from None
+
+
+def check_overrides(argv: Sequence[str], config: ml_collections.ConfigDict, path: str) -> None:
+    """UsageError listing the valid keys if a ``--config.KEY`` of ``argv`` names no key of
+    ``config`` (the one loaded from ``path``); ml-collections alone answers with a bare
+    AttributeError."""
+    valid = config_lib.flat_keys(config)
+    for arg in argv:
+        match = re.match(r"--config\.([\w.]+)(=|$)", arg)
+        if match and match.group(1) not in valid:
+            raise UsageError(
+                f"--config.{match.group(1)}: no such key in {path}. "
+                f"Valid keys: {', '.join(sorted(valid))}."
+            )
 
 
 def check_command_line(argv: Sequence[str]) -> None:
@@ -111,16 +127,10 @@ def check_command_line(argv: Sequence[str]) -> None:
                 + f"\n  offline start: {PROGRAM} --config=configs/rotated_digits.py\n"
                 f"  every field, with its default and meaning: {PROGRAM} --help"
             )
-        load_config_file(path)
-        config_lib.check_overrides(argv)
+        check_overrides(args, load_config_file(path), path)
     except UsageError as error:
         _say(f"{PROGRAM}: {error}")
         raise SystemExit(USAGE) from None
-    except SystemExit as error:  # check_overrides' message
-        if isinstance(error.code, str):
-            _say(f"{PROGRAM}: {error.code}")
-            raise SystemExit(USAGE) from None
-        raise
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -137,16 +147,9 @@ def parse_flags(argv: list[str]) -> list[str]:
             with contextlib.suppress(Exception):
                 default = load_config_file(_config_path(argv[1:]))[match.group(1)]
                 message += f" (config.{match.group(1)} expects {type(default).__name__} values"
-                message += f", e.g. --config.{match.group(1)}={_render(default)})"
+                message += f", e.g. --config.{match.group(1)}={flag_value(default)})"
         _say(f"{PROGRAM}: {message}")
         raise SystemExit(USAGE) from None
-
-
-def _render(value) -> str:
-    """A value as ``--config.KEY=`` takes it."""
-    if isinstance(value, str):
-        return value if value else "''"
-    return str(tuple(value)) if isinstance(value, (list, tuple)) else str(value)
 
 
 def help_text(path: str | None = None) -> str:
@@ -185,9 +188,11 @@ def help_text(path: str | None = None) -> str:
     ]
     for section, fields in config_lib.FIELDS.items():
         lines.append(f"  {config_lib.SECTION_TITLES[section]}")
-        for key, _, meaning in fields:
-            flag = f"    --config.{key}={_render(values.get(key))}"
-            text = f"{flag:<44} {meaning}" if len(flag) < 44 else f"{flag}\n{'':<44} {meaning}"
+        for field in fields:
+            flag = f"    --config.{field.key}={flag_value(values.get(field.key))}"
+            text = f"{flag:<44} {field.meaning}"
+            if len(flag) >= 44:
+                text = f"{flag}\n{'':<44} {field.meaning}"
             lines += textwrap.wrap(
                 text,
                 width=100,
@@ -242,25 +247,6 @@ def _data_problem(config) -> str | None:
     return None
 
 
-def _weights_problem(config) -> str | None:
-    weights = config.pretrained_weights
-    if config.arch == "mnist_cnn" or (weights and weights.lower() == "none"):
-        return None
-    file = config_lib.WEIGHTS_FILES.get(config.arch, f"{config.arch}.pth")
-    get = (
-        f"The paper starts from torchvision's ImageNet {config.arch}: download "
-        f"{config_lib.weights_url(config.arch)} (reading a .pth needs torch, a CPU build; or "
-        f"convert it once with `python -m sagm_jax.models.convert {file} "
-        f"{config.arch}.safetensors` and pass that file; README 'ImageNet weights'). "
-        "--config.pretrained_weights=none trains from scratch (not the paper's setting)."
-    )
-    if not weights:
-        return f"--config.pretrained_weights=FILE is missing. {get}"
-    if not os.path.isfile(weights):
-        return f"--config.pretrained_weights={weights}: no such file. {get}"
-    return None
-
-
 def _workdir_problem(workdir: str) -> str | None:
     path = os.path.abspath(workdir)
     while not os.path.exists(path):
@@ -281,14 +267,8 @@ def preflight(
     """UsageError listing EVERYTHING that stops the run from starting (data, weights,
     values, workdir), each with the flag that fixes it, and an example command.
     ``device_count`` bounds ``config.num_devices`` (None: not known yet)."""
-    problems = [
-        p for p in (_data_problem(config), _weights_problem(config), _workdir_problem(workdir)) if p
-    ]
-    problems += [
-        p
-        for p in config_lib.config_problems(config, device_count)
-        if not p.startswith("config.pretrained_weights")
-    ]
+    problems = [p for p in (_data_problem(config), _workdir_problem(workdir)) if p]
+    problems += config_lib.config_problems(config, device_count, check_files=True)
     if not problems:
         return
     path = _config_path(argv[1:]) or "the config"
@@ -307,11 +287,8 @@ def preflight(
     example = list(argv[1:])
     if _data_problem(config) and not config.data_dir:
         example.append("--config.data_dir=DATA_DIR")
-    if _weights_problem(config) and not config.pretrained_weights:
-        example.append(
-            "--config.pretrained_weights="
-            + config_lib.WEIGHTS_FILES.get(config.arch, f"{config.arch}.pth")
-        )
+    if not config.pretrained_weights and config_lib.weights_problem(config):
+        example.append(f"--config.pretrained_weights={models.WEIGHTS_FILES[config.arch]}")
     lines += [
         f"The run directory would be {workdir} (--workdir=DIR chooses another).",
         "For example:",
@@ -343,14 +320,10 @@ def interrupted_message(workdir: str, argv: Sequence[str]) -> str:
     """Where the stopped run stands (its last evaluated step, per test environment with
     all_test_envs) and the command that resumes it."""
     steps = []
-    pattern = os.path.join(glob.escape(workdir), "**", "results.jsonl")
-    for path in sorted(glob.glob(pattern, recursive=True)):
-        with open(path) as f:
-            lines = [line for line in f if line.strip()]
-        if lines:
-            name = os.path.relpath(os.path.dirname(path), workdir)
-            step = json.loads(lines[-1])["step"]
-            steps.append(f"step {step}" + (f" in {name}" if name != "." else ""))
+    for run in find_runs(workdir):
+        if run.last_step is not None:
+            name = os.path.relpath(run.path, workdir)
+            steps.append(f"step {run.last_step}" + (f" in {name}" if name != "." else ""))
     kept = f" Last evaluation: {', '.join(steps)}." if steps else ""
     command = list(argv[1:])
     if not any(a.startswith("--workdir") for a in command):

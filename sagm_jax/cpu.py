@@ -5,7 +5,7 @@ This module owns the XLA flags that sagm_jax adds for its CPU runs. XLA reads
 before the first JAX computation; later it changes nothing and says so.
 
 The flags kept, measured on the 2-core development CPU (jax 0.10.2; figures in
-the README's Performance section, "The CPU step against PyTorch"):
+docs/cpu.md, "The CPU step against PyTorch"):
 
   --xla_cpu_enable_concurrency_optimized_scheduler=false
       XLA's CPU default schedules the step's operations to run side by side,
@@ -29,7 +29,7 @@ the README's Performance section, "The CPU step against PyTorch"):
       458 -> 315 ms, the ResNet-50 224x224 SAGM step 7.9 -> 6.8 s. Results change
       by float rounding only (other kernels, other summation orders).
 
-Flags measured and not kept (see the README): ``--xla_cpu_use_onednn`` and
+Flags measured and not kept (see docs/cpu.md): ``--xla_cpu_use_onednn`` and
 ``--xla_cpu_experimental_onednn_custom_call`` (no effect: this jaxlib is built
 without oneDNN), ``--xla_cpu_use_xnnpack=false`` (no gain), YNNPACK element-wise
 fusions (``eltwise`` added to the list above: the 64x64 step 315 -> 397 ms),

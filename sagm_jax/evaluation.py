@@ -5,17 +5,16 @@
 ``config.augment_validation`` the 'out' parts of the training environments are
 augmented as in training (DomainBed's old default).
 
-Training-domain validation is the mean 'out' accuracy of the training environments;
-an empty split part has no accuracy, so the evaluator refuses one when it is built,
-before the run writes anything, instead of recording a NaN that no checkpoint
-comparison can rank.
+Training-domain validation (``sagm_jax.selection.validation_accuracy``) is the mean
+'out' accuracy of the training environments; an empty split part has no accuracy, so
+the evaluator refuses one when it is built, before the run writes anything, instead of
+recording a NaN that no checkpoint comparison can rank.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from sagm_jax.data import device_augment
 from sagm_jax.data.pipeline import prefetch_to_mesh
@@ -34,11 +33,6 @@ def make_eval_step(model, compute_dtype, seed: int = 0, image_size: int = 224):
         return jnp.sum(correct), jnp.sum(batch["mask"])
 
     return jax.jit(eval_step)
-
-
-def validation_accuracy(record: dict, train_envs) -> float:
-    """Training-domain validation: the mean 'out' accuracy of the training environments."""
-    return float(np.mean([record[f"env{e}_out_acc"] for e in train_envs]))
 
 
 class Evaluator:

@@ -16,6 +16,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from sagm_jax import cli, cpu
+from sagm_jax.rundir import RUN_LOCK
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", lock_config=True, help_string="A configs/*.py file."
@@ -30,7 +31,10 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
 _TRACEBACK = flags.DEFINE_bool("traceback", False, "Show the traceback of an error.")
 
 
-def train(config, workdir: str) -> None:
+def claim_and_train(config, workdir: str) -> None:
+    """Starts the distributed runtime (``--distributed``), claims ``workdir/run.lock``
+    (process 0), runs ``train.train_and_evaluate`` and, when a start fails, removes the
+    run directory it made if nothing but the lock is in it."""
     import jax
 
     if _DISTRIBUTED.value:
@@ -45,11 +49,11 @@ def train(config, workdir: str) -> None:
 
     had_workdir = os.path.exists(workdir)
     # One process trains a run directory at a time (the others' processes share it).
-    claim = claims.try_claim(workdir, "run.lock") if jax.process_index() == 0 else None
+    claim = claims.try_claim(workdir, RUN_LOCK) if jax.process_index() == 0 else None
     if jax.process_index() == 0 and claim is None:  # held until this process exits
         raise cli.UsageError(
             f"--workdir={workdir}: another process is training this run (it holds "
-            f"{workdir}/run.lock); wait for it to finish, or choose another --workdir."
+            f"{workdir}/{RUN_LOCK}); wait for it to finish, or choose another --workdir."
         )
     try:
         train_lib.train_and_evaluate(config, workdir)
@@ -70,7 +74,7 @@ def train(config, workdir: str) -> None:
 def _remove_if_empty(workdir: str) -> None:
     """Removes the run directory a failed start made, if nothing but its lock is in it."""
     for root, dirs, files in os.walk(workdir, topdown=False):
-        if set(files) <= {"run.lock"} and not any(
+        if set(files) <= {RUN_LOCK} and not any(
             os.path.exists(os.path.join(root, d)) for d in dirs
         ):
             for name in files:
@@ -108,7 +112,7 @@ def main(argv):
         cli.preflight(_CONFIG.value, workdir, sys.argv, devices)
         cli.quiet_tensorflow_import()
         _hide_accelerators_from_tensorflow()
-        train(_CONFIG.value, workdir)
+        claim_and_train(_CONFIG.value, workdir)
 
     return cli.guarded(checked_run, workdir, sys.argv, _TRACEBACK.value)
 

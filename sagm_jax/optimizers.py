@@ -346,23 +346,3 @@ def paper_optimizer(
         optax.scale_by_learning_rate(learning_rate),
     )
 
-
-def optimizer_from_config(config, axis_name: Optional[str] = None):
-    """The one place that turns a config into the optimizer: :func:`paper_optimizer`
-    with the config's ``optimizer`` section (:func:`sagm_jax.config.section`).
-
-    ``config.alpha`` is SAGM's alpha and ``config.gsam_alpha`` GSAM's; each goes to
-    its own algorithm. ``axis_name`` (the device axis of a ``shard_map``) is used by
-    ``perturbation="per_device"`` only; the global mode needs none under ``jit``.
-    """
-    from sagm_jax.config import section  # config imports ALGORITHMS from here
-
-    kwargs = section(config, "optimizer")
-    algorithm = kwargs.pop("algorithm")
-    kwargs["learning_rate"] = kwargs.pop("lr")
-    gsam_alpha = kwargs.pop("gsam_alpha")
-    if algorithm == "gsam":
-        kwargs["alpha"] = gsam_alpha
-    if kwargs["perturbation"] == "per_device":
-        kwargs["axis_name"] = axis_name
-    return paper_optimizer(algorithm, **kwargs)

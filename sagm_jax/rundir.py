@@ -1,10 +1,17 @@
-"""The run directory: what a run writes besides checkpoints, and how a relaunch reads it.
+"""The run directory: every file name in it, its records, and every reader of them.
 
     config.json      the run's config, written only once the run can start
-    run_info.json    weights file and SHA-256, dataset fingerprint, devices, versions
+    run_info.json    weights file and SHA-256, dataset fingerprint, class and
+                     environment names, input shape, devices, versions
     split.json       split indices, file lists and dataset fingerprint (sagm_jax.data)
-    results.jsonl    one DomainBed-compatible record per evaluation, one JSON line each
+    results.jsonl    one DomainBed-compatible record per evaluation (:func:`make_record`),
+                     one JSON line each
+    checkpoints/     the kept train states (sagm_jax.checkpoints)
+    run.lock         held by the one process that trains the directory (sagm_jax.main)
     done             written last; a finished run is never trained again
+
+:func:`find_runs` is how everything that reads many runs finds them (the result
+tables, the sweep's status, the sharpness curves, the Ctrl-C message).
 
 A relaunch compares its config with ``config.json`` BEFORE anything else, finished run
 or not: another config in the same directory is refused, naming the keys that differ.
@@ -17,14 +24,22 @@ evaluation. Any other unreadable line is an error naming the file and the line.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import warnings
 
 CONFIG = "config.json"
 RUN_INFO = "run_info.json"
+SPLIT = "split.json"
 RESULTS = "results.jsonl"
+CHECKPOINTS = "checkpoints"
+RUN_LOCK = "run.lock"
 DONE = "done"
+
+# Config keys that differ between the runs of one hyperparameter setting.
+NOT_HPARAMS = ("test_envs", "all_test_envs", "trial_seed", "seed")
 
 
 class RecordsError(ValueError):
@@ -70,6 +85,90 @@ def _read_records(path: str) -> tuple[list[dict], bool]:
             raise RecordsError(f"{path}, line {number}: expected a record with a 'step' key.")
         records.append(record)
     return records, False
+
+
+def hparams_seed(config_dict: dict) -> int:
+    """DomainBed's ``args.hparams_seed`` for a run: an integer naming its hyperparameter
+    setting, the md5 of its config without :data:`NOT_HPARAMS`, reduced to 31 bits as
+    DomainBed's ``seed_hash``. The runs of one setting share it across test environments
+    and trial seeds (DomainBed's collector groups a sweep's runs by it, and matches
+    leave-one-domain-out pairs through it); any other config difference gives another."""
+    setting = {k: v for k, v in config_dict.items() if k not in NOT_HPARAMS}
+    text = json.dumps(setting, sort_keys=True, default=str)
+    return int(hashlib.md5(text.encode("utf-8")).hexdigest(), 16) % 2**31
+
+
+def make_record(
+    config_dict: dict,
+    workdir: str,
+    *,
+    step: int,
+    loss: float,
+    accuracies: dict,
+    test_envs: list[int],
+    smallest_env: int,
+) -> dict:
+    """The DomainBed-compatible record of evaluation ``step``: ``loss`` (the mean since
+    the last record), ``env{i}_{part}_acc``, DomainBed's ``epoch`` (examples seen per
+    training environment over the ``smallest_env`` examples of the smallest one's "in"
+    part), its ``args`` and ``hparams``, and the whole config."""
+    return {
+        "step": step,
+        "loss": loss,
+        "epoch": (step + 1) * config_dict["batch_per_env"] / smallest_env,
+        **accuracies,
+        "args": {
+            "dataset": config_dict["dataset"],
+            "algorithm": config_dict["algorithm"],
+            "test_envs": test_envs,
+            "trial_seed": config_dict["trial_seed"],
+            "seed": config_dict["seed"],
+            "hparams_seed": hparams_seed(config_dict),
+            "output_dir": os.path.abspath(workdir),
+        },
+        "hparams": {k: v for k, v in config_dict.items() if k not in NOT_HPARAMS},
+        "config": config_dict,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """A run directory found by :func:`find_runs`: its path, whether it is ``done``,
+    and its records (a torn last line dropped, with a warning)."""
+
+    path: str
+    done: bool
+    records: list[dict]
+
+    @property
+    def last_step(self) -> int | None:
+        return self.records[-1]["step"] if self.records else None
+
+
+def find_runs(root: str) -> list[Run]:
+    """Every run directory under ``root`` (``root`` itself included), in path order: a
+    folder holding ``config.json`` or ``results.jsonl`` (DomainBed's runs have only the
+    records). Checkpoint folders are not searched."""
+    runs = []
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = sorted(d for d in subfolders if d != CHECKPOINTS)
+        if CONFIG in files or RESULTS in files:
+            records = _read_records(os.path.join(folder, RESULTS))[0]
+            runs.append(Run(folder, DONE in files, records))
+    return sorted(runs, key=lambda run: run.path)
+
+
+def read_run_info(workdir: str) -> dict:
+    """``workdir/run_info.json``: what the run was set up with (its input shape, class
+    and environment names, weights, dataset fingerprint, devices)."""
+    with open(os.path.join(workdir, RUN_INFO)) as f:
+        return json.load(f)
+
+
+def read_config(workdir: str) -> dict:
+    """``workdir/config.json``: the run's config as a dict."""
+    with open(os.path.join(workdir, CONFIG)) as f:
+        return json.load(f)
 
 
 def config_differences(workdir: str, config_dict: dict) -> list[str]:

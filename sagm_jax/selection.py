@@ -1,15 +1,22 @@
 """Model selection: pure functions from evaluation records to the chosen checkpoint.
 
 A record is one line of results.jsonl: ``step`` and ``env{i}_{part}_acc``.
-:func:`training_domain_validation` picks the checkpoint of one run (the training
-loop uses it); the ``*_run`` functions and :func:`sweep_selection` implement
-DomainBed's selection methods across a sweep (training-domain validation,
+:func:`validation_accuracy` is the one definition of training-domain validation (the
+training loop ranks checkpoints by it); :func:`training_domain_validation` picks the
+checkpoint of one run by it; the ``*_run`` functions and :func:`sweep_selection`
+implement DomainBed's selection methods across a sweep (training-domain validation,
 leave-one-domain-out, and the two oracles, each named by what it does).
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+
+def validation_accuracy(record: dict, train_envs) -> float:
+    """Training-domain validation of one record: the mean 'out' accuracy of the training
+    environments ``train_envs``."""
+    return float(np.mean([record[f"env{e}_out_acc"] for e in train_envs]))
 
 
 def training_domain_validation(records: list[dict], test_envs) -> dict:
@@ -34,7 +41,7 @@ def training_domain_validation(records: list[dict], test_envs) -> dict:
             f"training_domain_validation: test_envs {sorted(test_envs)} leave no "
             "training environment in the records."
         )
-    scores = [float(np.mean([r[f"env{e}_out_acc"] for e in train_envs])) for r in records]
+    scores = [validation_accuracy(r, train_envs) for r in records]
     chosen = records[int(np.argmax(scores))]
     return {
         "step": chosen["step"],

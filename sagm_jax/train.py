@@ -1,8 +1,10 @@
 """The training program: one run (or one per test environment) from a config.
 
-``run`` reads as the loop it is: check the config and the run directory, set up (data,
-model, optimizer, steps, evaluator; nothing is written until all of it succeeded),
-restore, then step, log, evaluate, record, save. The parts live in their own modules:
+``train_and_evaluate`` is the program's entry (flax's name): one run, or one per test
+environment. ``train_one_run`` reads as the loop it is: check the config and the run
+directory, set up (data, model, optimizer, steps, evaluator; nothing is written until
+all of it succeeded), restore, then ``_training_loop``: step, log, evaluate, record,
+save. The parts live in their own modules:
 
   rundir        config.json, run_info.json, split.json, results.jsonl, done
   checkpoints   one orbax manager keeping the latest and the best checkpoint
@@ -24,7 +26,6 @@ masks and augmentations are functions of ``(seed, step)``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import platform
 from typing import Any
@@ -37,17 +38,35 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 from sagm_jax import data as data_lib
-from sagm_jax import models
+from sagm_jax import formatting, models
 from sagm_jax.checkpoints import Checkpoints, restore_variables, saved_steps
-from sagm_jax.config import validate
+from sagm_jax.config import section, validate
+from sagm_jax.data import device_augment, registry
 from sagm_jax.data.pipeline import prefetch_to_mesh
-from sagm_jax.evaluation import Evaluator, validation_accuracy
-from sagm_jax.optimizers import optimizer_from_config
-from sagm_jax.rundir import CONFIG, DONE, RESULTS, RUN_INFO, RunDir, read_records
-from sagm_jax.selection import training_domain_validation
-from sagm_jax.train_step import build_train_step, create_train_state
+from sagm_jax.evaluation import Evaluator
+from sagm_jax.optimizers import paper_optimizer
+from sagm_jax.rundir import (
+    CHECKPOINTS,
+    DONE,
+    RESULTS,
+    RunDir,
+    make_record,
+    read_config,
+    read_records,
+    read_run_info,
+)
+from sagm_jax.selection import training_domain_validation, validation_accuracy
+from sagm_jax.train_step import create_train_state, data_parallel_train_step
 
-__all__ = ["DONE", "RESULTS", "load_run", "read_records", "run", "train_and_evaluate"]
+__all__ = [
+    "DONE",
+    "RESULTS",
+    "load_run",
+    "preprocess",
+    "read_records",
+    "train_and_evaluate",
+    "train_one_run",
+]
 
 
 @dataclasses.dataclass
@@ -96,6 +115,25 @@ def _mesh(config, train_envs) -> jax.sharding.Mesh:
     return jax.sharding.Mesh(np.array(devices), ("batch",))
 
 
+def optimizer_from_config(config: ml_collections.ConfigDict, axis_name: str | None = None):
+    """The one place that turns a config into the optimizer:
+    :func:`sagm_jax.optimizers.paper_optimizer` with the config's ``optimizer`` section.
+
+    ``config.alpha`` is SAGM's alpha and ``config.gsam_alpha`` GSAM's; each goes to
+    its own algorithm. ``axis_name`` (the device axis of a ``shard_map``) is used by
+    ``perturbation="per_device"`` only; the global mode needs none under ``jit``.
+    """
+    kwargs = section(config, "optimizer")
+    algorithm = kwargs.pop("algorithm")
+    kwargs["learning_rate"] = kwargs.pop("lr")
+    gsam_alpha = kwargs.pop("gsam_alpha")
+    if algorithm == "gsam":
+        kwargs["alpha"] = gsam_alpha
+    if kwargs["perturbation"] == "per_device":
+        kwargs["axis_name"] = axis_name
+    return paper_optimizer(algorithm, **kwargs)
+
+
 def setup(config: ml_collections.ConfigDict) -> Program:
     """Opens the data, builds the model, optimizer, steps and evaluator: every check
     that can fail runs here, before the run directory is written."""
@@ -113,6 +151,7 @@ def setup(config: ml_collections.ConfigDict) -> Program:
         "dataset": config.dataset,
         "env_names": dataset.env_names,
         "num_classes": dataset.num_classes,
+        "class_names": list(dataset.class_names),
         "input_shape": list(dataset.input_shape),
         "fingerprint": dataset.fingerprint,
         "train_envs": train_envs,
@@ -129,13 +168,13 @@ def setup(config: ml_collections.ConfigDict) -> Program:
         mesh=mesh,
         model=model,
         state=state,
-        train_step=build_train_step(config, model, optimizer, mesh),
+        train_step=data_parallel_train_step(config, model, optimizer, mesh),
         evaluator=Evaluator(model, dataset, mesh, config, train_envs),
         run_info=run_info,
     )
 
 
-def run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
+def train_one_run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
     """Trains one run with ``config.test_envs`` held out; returns its records."""
     validate(config, device_count=jax.device_count())
     rundir = RunDir(workdir, is_main=jax.process_index() == 0)
@@ -154,7 +193,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
     else:
         print(f"{workdir}: resumed at step {int(state.step)}.")
     records = rundir.records_before(int(state.step))
-    records += _train(config, program, rundir, checkpoints, state)
+    records += _training_loop(config, program, rundir, checkpoints, state)
     rundir.mark_done()
     if rundir.is_main:
         print_summary(records, program.test_envs, program.dataset.env_names)
@@ -164,14 +203,13 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
 def _finished(rundir: RunDir, config) -> list[dict]:
     records = read_records(rundir.workdir)
     if rundir.is_main:
-        with open(os.path.join(rundir.workdir, RUN_INFO)) as f:
-            env_names = json.load(f)["env_names"]
+        env_names = read_run_info(rundir.workdir)["env_names"]
         print(f"{rundir.workdir}: already done; not training again.")
         print_summary(records, list(config.test_envs), env_names)
     return records
 
 
-def _train(config, program: Program, rundir: RunDir, checkpoints: Checkpoints, state):
+def _training_loop(config, program: Program, rundir: RunDir, checkpoints: Checkpoints, state):
     """Steps from ``state.step`` to ``config.steps``; returns the new records."""
     start, records = int(state.step), []
     step_key = jax.random.split(jax.random.key(config.seed))[1]
@@ -185,6 +223,7 @@ def _train(config, program: Program, rundir: RunDir, checkpoints: Checkpoints, s
         ),
         program.mesh,
     )
+    smallest_env = min(len(program.dataset.splits[e]["in"]) for e in program.train_envs)
     loss_sum, loss_count = jnp.zeros([], jnp.float32), 0
     progress = tqdm(
         total=config.steps,
@@ -207,7 +246,15 @@ def _train(config, program: Program, rundir: RunDir, checkpoints: Checkpoints, s
                 if not _all_finite(state.params):
                     _stop_non_finite(rundir.workdir, t, mean_loss, checkpoints)
                 accuracies = program.evaluator(state)
-                record = _record(config, program, rundir.workdir, t, mean_loss, accuracies)
+                record = make_record(
+                    config.to_dict(),
+                    rundir.workdir,
+                    step=t,
+                    loss=mean_loss,
+                    accuracies=accuracies,
+                    test_envs=program.test_envs,
+                    smallest_env=smallest_env,
+                )
                 rundir.append(record)  # before the checkpoint: see the module docstring
                 records.append(record)
                 writer.write_scalars(t, {k: v for k, v in record.items() if k.endswith("_acc")})
@@ -219,30 +266,6 @@ def _train(config, program: Program, rundir: RunDir, checkpoints: Checkpoints, s
         checkpoints.wait()
     writer.flush()
     return records
-
-
-def _record(config, program: Program, workdir: str, step: int, loss: float, accuracies) -> dict:
-    """The DomainBed-compatible record of evaluation ``step``."""
-    config_dict = config.to_dict()
-    smallest_env = min(len(program.dataset.splits[e]["in"]) for e in program.train_envs)
-    setting = {k: v for k, v in config_dict.items() if k not in NOT_HPARAMS}
-    return {
-        "step": step,
-        "loss": loss,
-        "epoch": (step + 1) * config.batch_per_env / smallest_env,
-        **accuracies,
-        "args": {
-            "dataset": config.dataset,
-            "algorithm": config.algorithm,
-            "test_envs": program.test_envs,
-            "trial_seed": config.trial_seed,
-            "seed": config.seed,
-            "hparams_seed": hparams_seed(config_dict),
-            "output_dir": os.path.abspath(workdir),
-        },
-        "hparams": setting,
-        "config": config_dict,
-    }
 
 
 def _all_finite(tree) -> bool:
@@ -262,7 +285,7 @@ def _stop_non_finite(workdir, step, loss, checkpoints: Checkpoints):
         "no checkpoint yet"
         if latest is None
         else f"the last good checkpoint, step {latest}, is kept in "
-        f"{os.path.join(workdir, 'checkpoints', str(latest))}"
+        f"{os.path.join(workdir, CHECKPOINTS, str(latest))}"
     )
     raise FloatingPointError(
         f"Non-finite training loss ({loss}) or parameters at step {step}; stopping. {kept}. "
@@ -281,10 +304,8 @@ def load_run(workdir: str, which: str | int = "best"):
     Nothing of the optimizer is rebuilt, so any run (any algorithm, per-device
     perturbation included) loads the same way.
     """
-    with open(os.path.join(workdir, CONFIG)) as f:
-        config = ml_collections.ConfigDict(json.load(f))
-    with open(os.path.join(workdir, RUN_INFO)) as f:
-        info = json.load(f)
+    config = ml_collections.ConfigDict(read_config(workdir))
+    info = read_run_info(workdir)
     records = read_records(workdir)
     if which == "best":
         step = training_domain_validation(records, config.test_envs)["step"]
@@ -299,6 +320,45 @@ def load_run(workdir: str, which: str | int = "best"):
     )[0]
     record = next((r for r in records if r["step"] == step), None)
     return model, restore_variables(workdir, step), record
+
+
+def preprocess(workdir: str, images) -> np.ndarray:
+    """``images`` as the run's evaluation prepares them: the float32 batch
+    ``model.apply(variables, batch, train=False)`` takes (``load_run``).
+
+    Image-folder runs take PIL images, image files or uint8 RGB arrays ``[H, W, 3]`` of
+    any size (a list, or one array ``[N, H, W, 3]``): each is resized whole to the run's
+    input size (``run_info.json``'s ``input_shape``, from ``config.image_size``) with
+    PIL's bilinear resize, as the run's evaluation images were, then scaled to [0, 1]
+    and normalised with ImageNet's mean and std. MNIST-like runs take arrays of their
+    input shape, float in [0, 1] as the dataset stores them, or uint8 (scaled by 1/255).
+    """
+    info = read_run_info(workdir)
+    shape = tuple(info["input_shape"])
+    if registry.get_spec(info["dataset"]).kind == "folder":
+        batch = np.stack([_evaluation_image(image, shape[0]) for image in images])
+        batch = batch.astype(np.float32) / 255.0
+        mean = np.asarray(device_augment.IMAGENET_MEAN, np.float32)
+        return (batch - mean) / np.asarray(device_augment.IMAGENET_STD, np.float32)
+    batch = np.asarray(images)
+    if batch.shape[1:] != shape:
+        raise ValueError(
+            f"{workdir} was trained on {info['dataset']} images of shape {shape}; "
+            f"got a batch of shape {batch.shape}."
+        )
+    return batch.astype(np.float32) / (255.0 if batch.dtype == np.uint8 else 1.0)
+
+
+def _evaluation_image(image, size: int) -> np.ndarray:
+    """uint8 ``[size, size, 3]``: an image folder's evaluation image (``data.store``)."""
+    from PIL import Image
+
+    if isinstance(image, (str, os.PathLike)):
+        with Image.open(image) as opened:
+            image = opened.convert("RGB")
+    elif not isinstance(image, Image.Image):
+        image = Image.fromarray(np.asarray(image, np.uint8)).convert("RGB")
+    return np.asarray(image.convert("RGB").resize((size, size), Image.BILINEAR))
 
 
 class _NoTensorBoard:
@@ -348,29 +408,6 @@ def print_summary(records: list[dict], test_envs, env_names=None) -> None:
     print(f"Test accuracy ('in' split of the test environment): {tests}")
 
 
-# Config keys that differ between the runs of one hyperparameter setting.
-NOT_HPARAMS = ("test_envs", "all_test_envs", "trial_seed", "seed")
-
-
-def hparams_seed(config_dict: dict) -> int:
-    """DomainBed's ``args.hparams_seed`` for a run: an integer naming its hyperparameter
-    setting, the md5 of its config without :data:`NOT_HPARAMS`, reduced to 31 bits as
-    DomainBed's ``seed_hash``. The runs of one setting share it across test environments
-    and trial seeds (DomainBed's collector groups a sweep's runs by it, and matches
-    leave-one-domain-out pairs through it); any other config difference gives another."""
-    import hashlib
-
-    setting = {k: v for k, v in config_dict.items() if k not in NOT_HPARAMS}
-    text = json.dumps(setting, sort_keys=True, default=str)
-    return int(hashlib.md5(text.encode("utf-8")).hexdigest(), 16) % 2**31
-
-
-def _duration(seconds: float) -> str:
-    minutes, s = divmod(int(round(seconds)), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m{s:02d}s" if hours else f"{minutes}m{s:02d}s"
-
-
 def _test_accuracy_table(config, env_names, accuracies: dict) -> str:
     """The markdown table of one test accuracy per environment and their average."""
     average = 100 * np.mean(list(accuracies.values()))
@@ -398,14 +435,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Any:
     if is_main:
         print(f"Run directory: {os.path.abspath(workdir)}", flush=True)
     if not config.all_test_envs:
-        result = run(config, workdir)
+        result = train_one_run(config, workdir)
     else:
         env_names = data_lib.from_config(config, open_images=False).env_names
         result = {}
         for env in range(len(env_names)):
             env_config = ml_collections.ConfigDict(config.to_dict())
             env_config.test_envs, env_config.all_test_envs = (env,), False
-            records = run(env_config, os.path.join(workdir, f"test_env{env}"))
+            records = train_one_run(env_config, os.path.join(workdir, f"test_env{env}"))
             result[env] = training_domain_validation(records, [env])[f"env{env}_in_acc"]
         table = _test_accuracy_table(config, env_names, result)
         if is_main:
@@ -414,5 +451,5 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Any:
             print("\n" + table + f"\n(written to {os.path.join(workdir, 'results.md')})")
     if is_main:
         print(f"Run directory: {os.path.abspath(workdir)}")
-        print(f"Wall time: {_duration(time.monotonic() - start)}")
+        print(f"Wall time: {formatting.duration(time.monotonic() - start)}")
     return result

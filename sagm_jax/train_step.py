@@ -1,7 +1,7 @@
 """The train state, the one function that applies a model, and the train step.
 
-``make_train_step`` is the pure step of one device's data; ``build_train_step`` is the
-one place that decides the data-parallel mode around it and jits it:
+``make_train_step`` is the pure step of one device's data; ``data_parallel_train_step``
+is the one place that decides the data-parallel mode around it and jits it:
 
 * ``perturbation='global'``: one jitted program over the batch sharded on the mesh's
   ``batch`` axis; XLA inserts the reductions, so the step equals the one-device step.
@@ -87,6 +87,30 @@ def cross_entropy(logits, labels) -> jax.Array:
     return jnp.mean(per_example_cross_entropy(logits, labels))
 
 
+def _training_loss(model: nn.Module, train_batchnorm: bool, compute_dtype):
+    """``loss_fn(params, batch_stats, batch, key, mixstyle) -> (loss, batch_stats)``: the
+    mean cross-entropy of one training pass, dropout and MixStyle drawn from ``key``;
+    the BatchNorm statistics it returns are updated only with ``train_batchnorm``."""
+
+    def loss_fn(params, batch_stats, batch, key, mixstyle):
+        dropout_key, mixstyle_key = jax.random.split(key)
+        outputs = apply_model(
+            model,
+            params,
+            batch_stats,
+            batch["image"],
+            compute_dtype,
+            train=True,
+            mixstyle=mixstyle,
+            rngs={"dropout": dropout_key, "mixstyle": mixstyle_key},
+            mutable=["batch_stats"] if train_batchnorm else False,
+        )
+        logits, updated = outputs if train_batchnorm else (outputs, {})
+        return cross_entropy(logits, batch["label"]), updated.get("batch_stats", batch_stats)
+
+    return loss_fn
+
+
 def make_train_step(
     model: nn.Module,
     optimizer: optax.GradientTransformationExtraArgs,
@@ -107,22 +131,7 @@ def make_train_step(
     loss and trained BatchNorm statistics over devices.
     """
     clean_mixstyle = use_mixstyle and algorithm != "sagm"
-
-    def loss_fn(params, batch_stats, batch, key, mixstyle):
-        dropout_key, mixstyle_key = jax.random.split(key)
-        outputs = apply_model(
-            model,
-            params,
-            batch_stats,
-            batch["image"],
-            compute_dtype,
-            train=True,
-            mixstyle=mixstyle,
-            rngs={"dropout": dropout_key, "mixstyle": mixstyle_key},
-            mutable=["batch_stats"] if train_batchnorm else False,
-        )
-        logits, updated = outputs if train_batchnorm else (outputs, {})
-        return cross_entropy(logits, batch["label"]), updated.get("batch_stats", batch_stats)
+    loss_fn = _training_loss(model, train_batchnorm, compute_dtype)
 
     def train_step(state: TrainState, batch, key):
         clean_key, perturbed_key = jax.random.split(jax.random.fold_in(key, state.step))
@@ -151,7 +160,7 @@ def make_train_step(
     return train_step
 
 
-def build_train_step(config, model: nn.Module, optimizer, mesh):
+def data_parallel_train_step(config, model: nn.Module, optimizer, mesh):
     """The run's jitted ``train_step(state, batch, key) -> (state, metrics)`` for the
     data-parallel mode ``config.perturbation`` on ``mesh`` (see the module docstring).
     ``optimizer`` must have been built with ``axis_name='batch'`` for 'per_device'."""

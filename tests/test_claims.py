@@ -1,7 +1,6 @@
 """sagm_jax.claims: exclusive, released when the holder dies (SIGKILL too), shared with a
 child that inherits the descriptor."""
 
-import os
 import signal
 import subprocess
 import sys
@@ -11,19 +10,15 @@ from sagm_jax import claims
 
 HOLD = """
 import sys, time
-sys.path.insert(0, sys.argv[2])
 from sagm_jax import claims
 claim = claims.try_claim(sys.argv[1], "x.lock")
 print("held" if claim else "refused", flush=True)
 time.sleep(60)
 """
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 def hold_in_another_process(directory):
     process = subprocess.Popen(
-        [sys.executable, "-c", HOLD, str(directory), REPO], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", HOLD, str(directory)], stdout=subprocess.PIPE, text=True
     )
     assert process.stdout.readline().strip() == "held"
     return process
@@ -49,14 +44,13 @@ def test_a_child_that_inherits_the_claim_keeps_it_after_its_parent_dies(tmp_path
         [
             sys.executable,
             "-c",
-            "import subprocess, sys; sys.path.insert(0, sys.argv[2])\n"
+            "import subprocess, sys\n"
             "from sagm_jax import claims\n"
             "c = claims.try_claim(sys.argv[1], 'x.lock')\n"
             "child = subprocess.Popen(['sleep', '3'], pass_fds=(c.fileno(),))\n"
             "print(child.pid, flush=True)\n"
             "import time; time.sleep(60)",
             str(tmp_path),
-            REPO,
         ],
         stdout=subprocess.PIPE,
         text=True,

@@ -1,23 +1,23 @@
-"""sagm_jax.config and configs/*.py: the paper's numbers, checks, and command-line errors."""
+"""sagm_jax.config and configs/*.py: the paper's numbers, every field's check, sections."""
 
 import glob
 import os
 import runpy
-import subprocess
-import sys
 
 import pytest
 from ml_collections import ConfigDict
 
-from sagm_jax import config as config_lib
 from sagm_jax.config import (
     FIELDS,
+    all_fields,
     base_config,
-    check_overrides,
     config_problems,
+    flat_keys,
     section,
     validate,
+    weights_problem,
 )
+from sagm_jax.formatting import flag_value
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -78,11 +78,11 @@ def test_every_config_file_validates():
 @pytest.mark.parametrize(
     "key,value,message",
     [
-        ("algorithm", "adamw", "config.algorithm='adamw': expected one of erm, sam"),
-        ("combine", "avg", "config.combine='avg'"),
+        ("algorithm", "adamw", "config.algorithm=adamw: expected one of erm, sam"),
+        ("combine", "avg", "config.combine=avg"),
         ("steps", 0, "config.steps=0: expected a positive integer"),
         ("dropout", 1.0, "config.dropout=1.0"),
-        ("pretrained_weights", "", "config.pretrained_weights is empty"),
+        ("pretrained_weights", "", "--config.pretrained_weights=FILE is missing"),
     ],
 )
 def test_validate_names_the_key(key, value, message):
@@ -98,32 +98,6 @@ def test_mixstyle_needs_a_resnet():
     config.mixstyle = True
     with pytest.raises(ValueError, match="mixstyle=True.*mnist_cnn"):
         validate(config)
-
-
-def test_unknown_override_lists_the_valid_keys():
-    path = os.path.join(REPO, "configs", "rotated_digits.py")
-    check_overrides([f"--config={path}", "--config.lr=0.1", "--config.test_envs=1"])
-    with pytest.raises(SystemExit, match=r"--config.learning_rate: no such key.*Valid keys: .*lr"):
-        check_overrides([f"--config={path}", "--config.learning_rate=0.1"])
-
-
-def test_main_reports_an_unknown_key_and_exits(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sagm_jax.main",
-            f"--config={REPO}/configs/rotated_digits.py",
-            f"--workdir={tmp_path}",
-            "--config.stepz=3",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
-    assert result.returncode != 0
-    assert "--config.stepz: no such key" in result.stderr and "steps" in result.stderr
-    assert not os.listdir(tmp_path)
 
 
 # --- every field checked, each problem naming its key, all at once --------------------
@@ -142,7 +116,7 @@ BAD_VALUES = [
     ("lr", "3e-5", "a number > 0"),
     ("weight_decay", -1e-4, "a number >= 0"),
     ("rho", -0.05, "a number >= 0"),
-    ("rho", 0.0, "with rho 0, algorithm='sagm' does not perturb"),
+    ("rho", 0.0, "with rho 0, algorithm=sagm does not perturb"),
     ("alpha", -1e-3, "in [0, 1)"),
     ("alpha", 1.0, "in [0, 1)"),
     ("gsam_alpha", -0.1, "in [0, 1]"),
@@ -166,6 +140,7 @@ BAD_VALUES = [
     ("cnn_widths", (12, 32, 32, 32), "4 positive multiples of 8"),
     ("mixstyle_after", (4,), "distinct ResNet stages among 1, 2, 3"),
     ("mixstyle_after", (1, 1), "distinct ResNet stages"),
+    ("mixstyle_after", ([1],), "distinct ResNet stages"),
     ("dataset", "Nope", "one of PACS, VLCS"),
     ("arch", "vgg16", "one of resnet18, resnet50, mnist_cnn"),
     ("algorithm", "adamw", "one of erm, sam, gsam, sagm, erm_sam"),
@@ -200,15 +175,14 @@ def test_each_bad_value_is_one_problem_naming_its_key(key, value, expected):
     config = unlocked(**{"dataset": "RotatedDigits", "arch": "mnist_cnn", key: value})
     problems = config_problems(config)
     assert len(problems) == 1, problems
-    shown = repr(tuple(value) if isinstance(value, list) else value)
-    assert problems[0].startswith(f"config.{key}={shown}: expected "), problems
+    assert problems[0].startswith(f"config.{key}={flag_value(value)}: expected "), problems
     assert expected in problems[0]
 
 
 def test_every_field_is_checked_for_its_type():
     # bytes is no field's type: every field must reject it, naming itself, and the
     # checks of the other fields must not trip over it.
-    for key in (key for fields in FIELDS.values() for key, _, _ in fields):
+    for key in FIELD_ORDER:
         problems = config_problems(unlocked(**{key: b"?"}))
         assert [p for p in problems if p.startswith(f"config.{key}=b'?': expected")], key
 
@@ -253,7 +227,37 @@ def test_paper_configs_have_no_problem():
         assert config_problems(config, device_count=8) == [], path
 
 
-FIELD_ORDER = [key for fields in FIELDS.values() for key, _, _ in fields]
+FIELD_ORDER = [field.key for field in all_fields()]
+
+
+# --- the weights a ResNet starts from ----------------------------------------------------
+
+
+def test_the_weights_problem_is_one_line_with_where_to_get_them(tmp_path):
+    config = unlocked(arch="resnet50", pretrained_weights="")
+    missing = weights_problem(config)
+    assert missing.startswith("--config.pretrained_weights=FILE is missing.")
+    assert "https://download.pytorch.org/models/resnet50-0676ba61.pth" in missing
+    assert "sagm_jax.models.convert resnet50-0676ba61.pth resnet50.safetensors" in missing
+    assert config_problems(config) == [missing]
+    config.arch = "resnet18"
+    assert "resnet18-f37072fd.pth" in weights_problem(config)
+    for arch, weights in (("resnet50", "none"), ("resnet50", "None"), ("mnist_cnn", "")):
+        assert weights_problem(unlocked(arch=arch, pretrained_weights=weights)) is None
+
+
+def test_only_the_command_lines_check_looks_for_the_weights_file(tmp_path):
+    config = unlocked(arch="resnet50", pretrained_weights=str(tmp_path / "w.pth"))
+    assert weights_problem(config) is None and config_problems(config) == []
+    (problem,) = config_problems(config, check_files=True)
+    assert problem.startswith(f"--config.pretrained_weights={tmp_path / 'w.pth'}: no such file.")
+    (tmp_path / "w.pth").write_bytes(b"")
+    assert config_problems(config, check_files=True) == []
+
+
+def test_flat_keys_name_nested_fields_as_the_command_line_does():
+    config = ConfigDict({"lr": 0.1, "model": {"depth": 50, "head": {"width": 8}}})
+    assert flat_keys(config) == ["lr", "model", "model.depth", "model.head", "model.head.width"]
 
 
 # --- sections ----------------------------------------------------------------------
@@ -262,7 +266,7 @@ FIELD_ORDER = [key for fields in FIELDS.values() for key, _, _ in fields]
 def test_section_gives_one_sections_values():
     config = load("pacs")
     optimizer = section(config, "optimizer")
-    assert list(optimizer) == [key for key, _, _ in FIELDS["optimizer"]]
+    assert list(optimizer) == [field.key for field in FIELDS["optimizer"]]
     assert optimizer["lr"] == 3e-5 and optimizer["alpha"] == 1e-3 and "steps" not in optimizer
     assert optimizer["gsam_alpha"] == 0.01  # GSAM's paper setting, not SAGM's alpha
     every = {k: v for name in FIELDS for k, v in section(config, name).items()}
@@ -279,9 +283,10 @@ def test_config_checks_take_their_names_from_the_registries():
     from sagm_jax.models import ARCHS, create
     from sagm_jax.optimizers import ALGORITHMS
 
-    assert config_lib._CHOICES["algorithm"] is ALGORITHMS
-    assert config_lib._CHOICES["arch"] is ARCHS
-    assert config_lib._CHOICES["dataset"] == tuple(registry.DATASETS)
+    checks = {field.key: field.check for field in all_fields()}
+    assert checks["algorithm"].names is ALGORITHMS
+    assert checks["arch"].names is ARCHS
+    assert checks["dataset"].names == tuple(registry.DATASETS)
     for arch in ARCHS:  # every listed architecture is one create() builds
         create(arch, 3, cnn_widths=(8, 8, 8, 8))
 

@@ -17,6 +17,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sagm_jax
+from sagm_jax.train import optimizer_from_config
 
 # ----------------------------------------------------------------------------
 # Independent float64 reference.
@@ -430,7 +431,8 @@ def test_global_norm_is_the_norm_of_leaf_norms():
 
 
 # ----------------------------------------------------------------------------
-# The optimizer built from a config: each algorithm gets its own alpha.
+# The optimizer built from a config (sagm_jax.train, where the program is set up):
+# each algorithm gets its own alpha.
 
 # GSAM's alpha for ResNets in Zhuang et al., ICLR 2022 (their hyperparameter table),
 # written here independently of the package's constant.
@@ -439,7 +441,7 @@ GSAM_PAPER_ALPHA = 0.01
 
 def _run_config_optimizer(config, params, batches):
     """Parameters after the batches, under the optimizer built from ``config``."""
-    opt = sagm_jax.optimizers.optimizer_from_config(config)
+    opt = optimizer_from_config(config)
     step = make_step(opt)
     p = jax.tree.map(jnp.asarray, params)
     state = opt.init(p)

@@ -1,17 +1,26 @@
-"""The README's optimizer example runs as written."""
+"""The README's examples run as written, its links and the docs' lead somewhere, and its
+layout table names the package as it is."""
 
+import glob
 import os
 import re
 
 import pytest
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+PAGES = [README, *sorted(glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True))]
+
+
+def read(path):
+    with open(path) as f:
+        return f.read()
 
 
 def test_optimizer_example_runs():
-    with open(README) as f:
-        text = f.read()
-    section = text[text.index("## Optimizers") : text.index("### Cost per step")]
+    text = read(README)
+    start = text.index("\n## Optimizers\n")
+    section = text[start : text.index("\n## ", start + 1)]
     (example,) = re.findall(r"```python\n(.*?)```", section, re.S)
     namespace = {}
     exec(compile(example, "README.md:Optimizers", "exec"), namespace)
@@ -19,15 +28,44 @@ def test_optimizer_example_runs():
     assert float(abs(namespace["params"]["w"]).sum()) > 0
 
 
-def test_links_stay_inside_the_repository():
-    """A clone has no ../shared: every relative link of the README points into it."""
-    with open(README) as f:
-        text = f.read()
+def anchors(path):
+    """The anchors GitHub gives a Markdown file's headings (lower case, punctuation
+    dropped, spaces as hyphens)."""
+    headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", read(path), flags=re.S), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: os.path.relpath(p, ROOT))
+def test_links_stay_inside_the_repository(page):
+    """A clone has no ../shared: every relative link of the README and of the docs
+    points to a file of the repository, and to a heading of it where it names one."""
+    text = read(page)
     assert "../shared" not in text
-    root = os.path.dirname(README)
-    for target in re.findall(r"\]\(([^)#\s]+)", text):
-        if not target.startswith(("http://", "https://")):
-            assert os.path.exists(os.path.join(root, target)), target
+    for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)", text):
+        if target.startswith(("http://", "https://")):
+            continue
+        path = os.path.normpath(os.path.join(os.path.dirname(page), target)) if target else page
+        assert path.startswith(ROOT + os.sep) and os.path.exists(path), target
+        if anchor and path.endswith(".md"):
+            assert anchor in anchors(path), f"{target}#{anchor}"
+
+
+def test_layout_table_names_the_package_as_it_is():
+    """Every path the Layout table names exists, and every module and subpackage of
+    sagm_jax has its row."""
+    text = read(README)
+    start = text.index("\n## Layout\n")
+    end = text.find("\n## ", start + 1)
+    table = text[start : end if end != -1 else len(text)]
+    named = set(re.findall(r"`((?:sagm_jax|configs|experiments|tests|docs)/[^`]*)`", table))
+    for path in named:
+        assert os.path.exists(os.path.join(ROOT, path)), path
+    package = os.path.join(ROOT, "sagm_jax")
+    for entry in sorted(os.listdir(package)):
+        if entry.endswith(".py") and entry != "__init__.py":
+            assert f"sagm_jax/{entry}" in named, f"sagm_jax/{entry} has no row"
+        elif os.path.exists(os.path.join(package, entry, "__init__.py")):
+            assert f"sagm_jax/{entry}/" in named, f"sagm_jax/{entry}/ has no row"
 
 
 @pytest.mark.slow
@@ -39,12 +77,12 @@ def test_load_run_example_runs_on_a_trained_run(tmp_path):
     config = mnist_config("RotatedDigits")
     config.update(dict(batch_per_env=8, steps=2, eval_every=1, cnn_widths=(8, 8, 8, 8)))
     records = train.train_and_evaluate(config, str(tmp_path / "run"))
-    with open(README) as f:
-        text = f.read()
+    text = read(README)
     (example,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "load_run" in b]
     example = example.replace('"workdirs/my-run"', repr(str(tmp_path / "run")))
     namespace = {}
     exec(compile(example, "README.md:load_run", "exec"), namespace)
-    assert namespace["record"] == train.read_records(str(tmp_path / "run"))[namespace["record"]["step"]]
+    record = namespace["record"]
+    assert record == train.read_records(str(tmp_path / "run"))[record["step"]]
     assert len(records) == 2
     assert namespace["predicted_class"].shape == (4,)

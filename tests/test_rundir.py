@@ -59,3 +59,72 @@ def test_another_config_is_refused_naming_the_keys(tmp_path):
     run.check_config({"lr": 1.0, "test_envs": (0,)})  # a tuple is the JSON list
     with pytest.raises(ValueError, match=r"different config \(keys \['lr', 'test_envs'\]"):
         run.check_config({"lr": 2.0, "test_envs": (1,)})
+
+
+def test_a_record_is_domainbeds_with_the_setting_and_the_whole_config(tmp_path):
+    config = {
+        "dataset": "PACS",
+        "algorithm": "sagm",
+        "test_envs": (1,),
+        "all_test_envs": False,
+        "trial_seed": 2,
+        "seed": 2,
+        "batch_per_env": 32,
+        "lr": 3e-5,
+    }
+    record = rundir.make_record(
+        config,
+        str(tmp_path),
+        step=99,
+        loss=0.5,
+        accuracies={"env0_in_acc": 0.75},
+        test_envs=[1],
+        smallest_env=1600,
+    )
+    assert record == {
+        "step": 99,
+        "loss": 0.5,
+        "epoch": 100 * 32 / 1600,
+        "env0_in_acc": 0.75,
+        "args": {
+            "dataset": "PACS",
+            "algorithm": "sagm",
+            "test_envs": [1],
+            "trial_seed": 2,
+            "seed": 2,
+            "hparams_seed": rundir.hparams_seed(config),
+            "output_dir": str(tmp_path),
+        },
+        "hparams": {"dataset": "PACS", "algorithm": "sagm", "batch_per_env": 32, "lr": 3e-5},
+        "config": config,
+    }
+    # The setting's name ignores what differs between its runs, and only that.
+    same_setting = {**config, "test_envs": (0, 1), "trial_seed": 0, "seed": 0}
+    assert rundir.hparams_seed(same_setting) == rundir.hparams_seed(config)
+    assert rundir.hparams_seed({**config, "lr": 1e-5}) != rundir.hparams_seed(config)
+
+
+def test_find_runs_lists_every_run_with_its_records_and_done(tmp_path):
+    """Runs at any depth, the root included; DomainBed's (records only) too; a torn last
+    line dropped; checkpoint folders and folders without run files are not runs."""
+    _write(tmp_path / rundir.CONFIG, "{}")
+    _write(tmp_path / rundir.RESULTS, _records(0))
+    finished = tmp_path / "sweep" / "a"
+    torn = tmp_path / "sweep" / "b"
+    started = tmp_path / "sweep" / "c"
+    for folder in (finished, torn, started, finished / rundir.CHECKPOINTS / "4", tmp_path / "x"):
+        os.makedirs(folder)
+    _write(finished / rundir.RESULTS, _records(0, 4))
+    _write(finished / rundir.DONE, "done\n")
+    _write(finished / rundir.CHECKPOINTS / "4" / rundir.RESULTS, _records(9))
+    _write(torn / rundir.RESULTS, _records(0, 2) + '{"step": 4, "lo')
+    _write(started / rundir.CONFIG, "{}")
+    with pytest.warns(UserWarning, match=r"sweep/b/results.jsonl: dropped a torn last line"):
+        runs = rundir.find_runs(str(tmp_path))
+    assert [(os.path.relpath(r.path, tmp_path), r.done, r.last_step) for r in runs] == [
+        (".", False, 0),
+        (os.path.join("sweep", "a"), True, 4),
+        (os.path.join("sweep", "b"), False, 2),
+        (os.path.join("sweep", "c"), False, None),
+    ]
+    assert rundir.find_runs(str(tmp_path / "nowhere")) == []

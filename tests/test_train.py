@@ -1,4 +1,5 @@
-"""sagm_jax.train and sagm_jax.main end to end: records, run directory, resume, devices."""
+"""sagm_jax.train and sagm_jax.main: runs end to end (records, run directory, resume,
+devices), and what the program prints and writes around its runs."""
 
 import json
 import os
@@ -6,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import numpy as np
@@ -17,8 +19,7 @@ from sagm_jax.config import base_config, mnist_config
 from sagm_jax.models import synthetic
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Every test here trains real runs: left out of `pytest -m "not slow"`.
-pytestmark = pytest.mark.slow
+# The tests that train real runs are marked slow: left out of `pytest -m "not slow"`.
 
 
 def digits_config(**overrides):
@@ -41,6 +42,7 @@ def restore_params(workdir, which="latest"):
     return train.load_run(str(workdir), which)[1]["params"]
 
 
+@pytest.mark.slow
 def test_rotated_digits_end_to_end(tmp_path):
     records = train.train_and_evaluate(digits_config(), str(tmp_path))
     assert [r["step"] for r in records] == [0, 2, 4]
@@ -75,6 +77,7 @@ def write_image_tree(root, domains=("art", "photo", "sketch"), classes=("cat", "
                 Image.fromarray(pixels).save(root / d / c / f"{k}.jpg")
 
 
+@pytest.mark.slow
 def test_image_folder_with_pretrained_resnet18(tmp_path):
     write_image_tree(tmp_path / "data")
     weights = synthetic.draw_torchvision_weights("resnet18", seed=0)
@@ -107,6 +110,7 @@ def test_image_folder_with_pretrained_resnet18(tmp_path):
     np.testing.assert_allclose(conv1, weights["conv1.weight"].transpose(2, 3, 1, 0), atol=1e-3)
 
 
+@pytest.mark.slow
 def test_all_test_envs_runs_each_environment(tmp_path, capsys):
     write_image_tree(tmp_path / "data", n=3)
     config = base_config()
@@ -131,6 +135,7 @@ def test_all_test_envs_runs_each_environment(tmp_path, capsys):
     assert "test accuracy (training-domain validation)" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_one_device_and_eight_devices_give_the_same_run(tmp_path):
     assert jax.device_count() == 8
     one = train.train_and_evaluate(digits_config(num_devices=1, steps=1), str(tmp_path / "one"))
@@ -157,6 +162,7 @@ def test_one_device_and_eight_devices_give_the_same_run(tmp_path):
     assert np.max(np.abs(one_params - eight_params)) <= 2 * 1e-3
 
 
+@pytest.mark.slow
 def test_per_device_perturbation_runs_and_differs_from_global(tmp_path):
     per_device = train.train_and_evaluate(
         digits_config(steps=2, eval_every=1, perturbation="per_device"),
@@ -211,6 +217,7 @@ def _folder_overrides(tmp_path):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dataset", ["rotated_digits", "image_folder_device_input"])
 def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path, dataset):
     overrides = _folder_overrides(tmp_path) if dataset != "rotated_digits" else []
@@ -250,6 +257,7 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path, dataset
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(tmp_path):
     config = digits_config(lr=1e30, steps=40, eval_every=1)
     with pytest.raises(FloatingPointError, match="Non-finite.*last good checkpoint"):
@@ -259,6 +267,7 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(tmp_path):
     assert not os.path.exists(tmp_path / "done")
 
 
+@pytest.mark.slow
 def test_a_workdir_with_another_config_is_refused(tmp_path):
     train.train_and_evaluate(digits_config(steps=1), str(tmp_path))
     os.remove(tmp_path / "done")
@@ -266,6 +275,7 @@ def test_a_workdir_with_another_config_is_refused(tmp_path):
         train.train_and_evaluate(digits_config(steps=1, lr=0.5), str(tmp_path))
 
 
+@pytest.mark.slow
 def test_batch_that_does_not_divide_among_devices_is_named(tmp_path):
     with pytest.raises(ValueError, match="config.batch_per_env.*= 15 does not divide among 8"):
         train.train_and_evaluate(digits_config(batch_per_env=3), str(tmp_path / "run"))
@@ -275,6 +285,7 @@ def test_batch_that_does_not_divide_among_devices_is_named(tmp_path):
     assert [r["step"] for r in records] == [0]
 
 
+@pytest.mark.slow
 def test_a_finished_run_relaunched_with_another_config_is_refused(tmp_path, capsys):
     """Relaunching a done run with other test_envs must not print its old results
     under the new labels (a training environment shown as the test one)."""
@@ -286,6 +297,7 @@ def test_a_finished_run_relaunched_with_another_config_is_refused(tmp_path, caps
     assert "Selected step" not in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_an_empty_split_part_is_refused_before_anything_is_written(tmp_path):
     """Two images per domain leave the 'out' parts empty (2 x 0.2 rounds to 0): their
     accuracy would be NaN, which no checkpoint comparison can rank."""
@@ -305,6 +317,7 @@ def test_an_empty_split_part_is_refused_before_anything_is_written(tmp_path):
     assert not os.path.exists(tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_load_run_gives_the_selected_checkpoint_and_its_recorded_accuracy(tmp_path):
     """Checkpoints are numbered by record steps, "best" is the step the summary selects,
     and the loaded model reproduces that record's accuracy, counted here directly."""
@@ -321,12 +334,13 @@ def test_load_run_gives_the_selected_checkpoint_and_its_recorded_accuracy(tmp_pa
     for env in (0, 1):
         for part in ("in", "out"):
             k = dataset.splits[env][part]
-            images = dataset.arrays.images[env][k]
+            images = dataset.source.images[env][k]
             logits = model.apply(variables, np.asarray(images, np.float32), train=False)
-            correct = int(np.sum(np.asarray(np.argmax(logits, -1)) == dataset.arrays.labels[env][k]))
+            correct = int(np.sum(np.asarray(np.argmax(logits, -1)) == dataset.source.labels[env][k]))
             assert correct / len(k) == record[f"env{env}_{part}_acc"]
 
 
+@pytest.mark.slow
 def test_test_envs_out_of_range_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"config.test_envs=\(7,\).*0..5"):
         train.train_and_evaluate(digits_config(test_envs=(7,)), str(tmp_path))
@@ -353,6 +367,7 @@ def _two_processes(workdir, overrides, port):
     ]
 
 
+@pytest.mark.slow
 def test_two_processes_killed_and_resumed_give_the_two_device_run(tmp_path):
     """Multi-host through jax.distributed: two local CPU processes (gloo collectives),
     one device each, killed after a few evaluations and relaunched, against one process
@@ -391,6 +406,7 @@ def test_two_processes_killed_and_resumed_give_the_two_device_run(tmp_path):
                 assert a[key] == pytest.approx(b[key], abs=1.0 / 60), key
 
 
+@pytest.mark.slow
 def test_image_folder_trains_without_tensorflow(tmp_path):
     """The image-folder path (store, device augmentation, evaluation, checkpoints) on a
     machine without TensorFlow, as many GPU machines are: its import is made to fail."""
@@ -414,6 +430,7 @@ def test_image_folder_trains_without_tensorflow(tmp_path):
     assert os.path.exists(tmp_path / "run" / "done")
 
 
+@pytest.mark.slow
 def test_a_failed_start_leaves_no_workdir_behind(tmp_path):
     """The command line claims its workdir (run.lock) before the run checks what only the
     data can tell; when such a check fails, the new directory is removed again."""
@@ -428,3 +445,51 @@ def test_a_failed_start_leaves_no_workdir_behind(tmp_path):
     )
     assert failed.returncode == 1 and "does not divide among 8" in failed.stderr, failed.stderr
     assert not os.path.exists(tmp_path / "run")
+
+
+# What the program prints and writes around runs, without training (fast).
+
+
+def summary_record(step, accs, test_env):
+    """A record whose 'out' accuracy is ``accs`` but 0 for ``test_env``; 'in' is ``accs``."""
+    r = {"step": step}
+    for env, acc in enumerate(accs):
+        r[f"env{env}_in_acc"] = acc
+        r[f"env{env}_out_acc"] = acc if env != test_env else 0.0
+    return r
+
+
+def test_summary_is_in_percent_with_the_selected_step(capsys):
+    records = [summary_record(0, [0.1, 0.5, 0.5], 0), summary_record(10, [0.25, 0.8, 0.9], 0)]
+    train.print_summary(records, [0], ["art", "photo", "sketch"])
+    out = capsys.readouterr().out
+    assert "Selected step 10 by training-domain validation" in out and "85.0%" in out
+    assert "env0 art (test)" in out and "25.0" in out and "90.0" in out
+    assert "Test accuracy ('in' split of the test environment): env0 art 25.0%" in out
+
+
+def test_all_test_envs_prints_and_writes_the_table_then_workdir_and_wall_time(
+    tmp_path, capsys, monkeypatch
+):
+    names = ["art", "photo", "sketch"]
+    monkeypatch.setattr(
+        train.data_lib, "from_config", lambda config, **_: types.SimpleNamespace(env_names=names)
+    )
+
+    def fake_train_one_run(config, workdir):
+        (env,) = config.test_envs
+        return [summary_record(0, [0.5 + 0.1 * env] * 3, env)]
+
+    monkeypatch.setattr(train, "train_one_run", fake_train_one_run)
+    config = mnist_config("ImageFolder")
+    config.all_test_envs, config.algorithm = True, "erm"
+    os.makedirs(tmp_path / "run")
+    table = train.train_and_evaluate(config, str(tmp_path / "run"))
+    assert table == {0: 0.5, 1: 0.6, 2: 0.7}
+    written = (tmp_path / "run" / "results.md").read_text()
+    assert "| test environment | art | photo | sketch | Avg |" in written
+    assert "| accuracy | 50.0 | 60.0 | 70.0 | 60.0 |" in written
+    out = capsys.readouterr().out
+    assert written.strip() in out
+    assert f"Run directory: {tmp_path / 'run'}" in out.splitlines()[-2]
+    assert out.splitlines()[-1].startswith("Wall time: 0m0")

@@ -150,7 +150,7 @@ def test_per_device_mode_keeps_the_replicated_copies_equal(algorithm):
     from ml_collections import ConfigDict
 
     from sagm_jax.config import base_config
-    from sagm_jax.train_step import build_train_step
+    from sagm_jax.train_step import data_parallel_train_step
 
     config = base_config()
     config.update(dict(algorithm=algorithm, perturbation="per_device", lr=0.1, image_size=2))
@@ -162,7 +162,7 @@ def test_per_device_mode_keeps_the_replicated_copies_equal(algorithm):
     )
     variables = model.init(jax.random.key(0), batch["image"], train=False)
     state = jax.device_put(create_train_state(variables, optimizer), NamedSharding(mesh, P()))
-    train_step = build_train_step(ConfigDict(config), model, optimizer, mesh)
+    train_step = data_parallel_train_step(ConfigDict(config), model, optimizer, mesh)
     sharded = jax.device_put(batch, NamedSharding(mesh, P("batch")))
     for _ in range(2):
         state, _ = train_step(state, sharded, jax.random.key(1))

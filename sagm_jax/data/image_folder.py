@@ -5,8 +5,8 @@ class folder allowed). Files are listed ourselves in torchvision ``ImageFolder``
 (``splits.py`` states the rule) rather than through tensorflow-datasets' ``ImageFolder``
 builder: that builder reads only ``split/label/image`` one level deep, decides its own
 file order and does not keep the order DomainBed's splits are defined on, so a split
-made through it would not be DomainBed's. The listed files are read by tf.data
-(``tf.io.read_file`` + ``tf.io.decode_image``; see ``pipeline.py``).
+made through it would not be DomainBed's. The listed files are read by a source
+(``dataset.Source``: tf.data in ``tf_input.py``, or the decoded store in ``store.py``).
 
 Checks, done when a dataset is opened (``scan_image_folder``):
 
@@ -93,10 +93,13 @@ def check_image(path: str) -> tuple[str | None, bool]:
     return None, needs_pil
 
 
-def default_cache_dir() -> str:
-    return os.path.join(
-        os.environ.get("SAGM_JAX_CACHE", os.path.expanduser("~/.cache/sagm_jax")), "verified"
-    )
+def cache_folder(name: str, cache_root: str | None = None) -> str:
+    """``<cache root>/<name>``, where the data caches live: the decode checks ('verified')
+    and the decoded stores ('stores', ``store.py``). The cache root is ``cache_root``,
+    else ``$SAGM_JAX_CACHE``, else ``~/.cache/sagm_jax``."""
+    if not cache_root:
+        cache_root = os.environ.get("SAGM_JAX_CACHE", os.path.expanduser("~/.cache/sagm_jax"))
+    return os.path.join(cache_root, name)
 
 
 def _check_all(root: str, files: list[str], cache_dir: str | None) -> dict[str, tuple]:
@@ -133,7 +136,7 @@ def scan_image_folder(
 ) -> FolderIndex:
     """List, check and fingerprint ``root/<domain>/<class>/<image>`` (module doc)."""
     if cache_dir == "default":
-        cache_dir = default_cache_dir()
+        cache_dir = cache_folder("verified")
     if not os.path.isdir(root):
         raise DatasetNotFoundError(f"Dataset folder not found: {root}\n{missing_help}")
     env_names = splits_lib.list_domains(root)

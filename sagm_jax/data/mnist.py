@@ -29,6 +29,7 @@ internet; tests use ``tfds.testing.mock_data``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 
@@ -40,12 +41,40 @@ LABEL_FLIP_PROB = 0.25
 
 @dataclasses.dataclass
 class ArraySource:
-    """Per-environment images (float32 [N, H, W, C] in [0, 1]) and int32 labels."""
+    """Per-environment images (float32 [N, H, W, C] in [0, 1]) and int32 labels; the
+    ``dataset.Source`` of the in-memory datasets (rows indexed in NumPy, never augmented)."""
 
     env_names: list[str]
     images: list[np.ndarray]
     labels: list[np.ndarray]
     num_classes: int
+
+    def take(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(images, int32 labels) of flat ids (environment 0's rows, then 1's, ...)."""
+        ids = np.asarray(ids)
+        offsets = np.cumsum([0] + [len(y) for y in self.labels])
+        env = np.searchsorted(offsets, ids, side="right") - 1
+        images = np.empty((len(ids), *self.images[0].shape[1:]), self.images[0].dtype)
+        labels = np.empty(len(ids), np.int32)
+        for e in np.unique(env):
+            rows = env == e
+            images[rows] = self.images[e][ids[rows] - offsets[e]]
+            labels[rows] = self.labels[e][ids[rows] - offsets[e]]
+        return images, labels
+
+    def train_batches(self, ids_at, positions, *, start_step: int, seed: int):
+        """``dataset.Source.train_batches``: the rows of ``ids_at(step)``, not augmented."""
+        del positions, seed  # no augmentation
+        for step in itertools.count(start_step):
+            images, labels = self.take(ids_at(step))
+            yield {"image": images, "label": labels}
+
+    def eval_batches(self, ids, mask, position, *, augment: bool, seed: int):
+        """``dataset.Source.eval_batches``: the rows of each row of ``ids``, not augmented."""
+        del position, augment, seed  # no augmentation
+        for row_ids, row_mask in zip(ids, mask):
+            images, labels = self.take(row_ids)
+            yield {"image": images, "label": labels, "mask": row_mask}
 
 
 def load_mnist_uint8(data_dir: str | None) -> tuple[np.ndarray, np.ndarray]:

@@ -1,4 +1,4 @@
-"""``DomainBedData``: one opened, split dataset and its training and evaluation batches.
+"""Which examples a batch holds, how a batch is laid out over hosts, and its placement.
 
 Training batches. For step ``t`` of a run with seed ``s`` and training environments
 ``train_envs`` (in that order), each environment ``e`` contributes ``batch_per_env``
@@ -20,31 +20,19 @@ batches of ``batch_size``, and ``'mask'`` is False on the padding. Each host tak
 same column block ``[p*b/P, (p+1)*b/P)`` of every batch, so all hosts yield the same
 number of batches.
 
-Image folders take one of two paths. The default (``attach_source``): images decoded
-once (``store.py``); the host only gathers uint8 rows, training batches carry
-``{'image': uint8 canvases, 'hw', 'label', 'position'}`` and the augmentation runs on
-the accelerator (``device_augment.py``, keyed by the example's position in the global
-batch); evaluation batches carry the cached uint8 224x224 evaluation images. The other
-(no source attached): tf.data on the host (``tf_input.py``). The in-memory datasets are
-indexed in NumPy and are not augmented.
-
+The dataset (``dataset.py``) applies these rules and its ``Source`` reads the examples;
 ``prefetch_to_mesh`` places the next batches on the mesh from a background thread
 while the current step runs.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import itertools
 import math
 import queue
 import threading
 from typing import Iterator
 
 import numpy as np
-
-from sagm_jax.data import splits as splits_lib
 
 
 def sample_train_indices(seed: int, step: int, in_splits, batch_per_env: int) -> list[np.ndarray]:
@@ -55,7 +43,16 @@ def sample_train_indices(seed: int, step: int, in_splits, batch_per_env: int) ->
     return [split[rng.integers(0, len(split), batch_per_env)] for split in in_splits]
 
 
+def sample_train_ids(seed: int, step: int, in_splits, offsets, batch_per_env: int) -> np.ndarray:
+    """The step's global training batch as flat ids: environment ``k``'s
+    :func:`sample_train_indices` plus ``offsets[k]`` (the flat id of its first example),
+    environments in order."""
+    picks = sample_train_indices(seed, step, in_splits, batch_per_env)
+    return np.concatenate([offset + k for offset, k in zip(offsets, picks)])
+
+
 def host_rows(global_size: int, process_index: int, process_count: int) -> tuple[int, int]:
+    """This process's rows ``[lo, hi)`` of a global batch of ``global_size``."""
     if global_size % process_count:
         raise ValueError(
             f"Global batch {global_size} does not divide among {process_count} "
@@ -92,7 +89,8 @@ def eval_layout(
     return position, mask.reshape(num_batches, batch_size)[:, lo:hi]
 
 
-def _processes(process_index, process_count):
+def processes(process_index, process_count) -> tuple[int, int]:
+    """(process index, process count): those given, or JAX's when either is None."""
     if process_index is None or process_count is None:
         import jax
 
@@ -151,255 +149,3 @@ def prefetch_to_mesh(batches: Iterator[dict], mesh, depth: int = 2) -> Iterator[
     finally:
         stop.set()
         thread.join()
-
-
-@dataclasses.dataclass
-class DomainBedData:
-    """An opened dataset, split for one trial seed.
-
-    ``splits[e]`` maps each part ('in', 'out', and 'test' for the in-domain split) to
-    int64 indices into environment ``e``'s examples (ImageFolder order for folders).
-    """
-
-    name: str
-    env_names: list[str]
-    class_names: list[str]
-    num_classes: int
-    input_shape: tuple[int, int, int]
-    splits: list[dict[str, np.ndarray]]
-    fingerprint: dict
-    skipped: list[dict]
-    trial_seed: int
-    holdout_fraction: float
-    split_kind: str
-    folder: object = None  # image_folder.FolderIndex for folder datasets
-    arrays: object = None  # mnist.ArraySource for in-memory datasets
-    source: object = None  # store.ImageStore / StreamingSource: the device input path
-
-    # ---- construction -------------------------------------------------------------
-    @staticmethod
-    def _split(sizes, trial_seed, holdout_fraction, split):
-        if split == "in_domain":
-            return [splits_lib.in_domain_split(n, trial_seed, i) for i, n in enumerate(sizes)]
-        return [
-            splits_lib.holdout_split(n, trial_seed, i, holdout_fraction)
-            for i, n in enumerate(sizes)
-        ]
-
-    @classmethod
-    def from_folder(cls, name, index, *, trial_seed, holdout_fraction, split, image_size):
-        sizes = [len(p) for p in index.paths]
-        return cls(
-            name,
-            list(index.env_names),
-            list(index.class_names),
-            len(index.class_names),
-            (image_size, image_size, 3),
-            cls._split(sizes, trial_seed, holdout_fraction, split),
-            index.fingerprint,
-            index.skipped,
-            trial_seed,
-            holdout_fraction,
-            split,
-            folder=index,
-        )
-
-    @classmethod
-    def from_arrays(cls, name, source, *, trial_seed, holdout_fraction, split):
-        sizes = [len(y) for y in source.labels]
-        digest = hashlib.sha256()
-        for x, y in zip(source.images, source.labels):
-            digest.update(np.ascontiguousarray(x).tobytes())
-            digest.update(np.ascontiguousarray(y).tobytes())
-        counts = {
-            env: {str(k): int(np.sum(y == k)) for k in range(source.num_classes)}
-            for env, y in zip(source.env_names, source.labels)
-        }
-        fingerprint = {
-            "counts": counts,
-            "domain_totals": {e: int(sum(c.values())) for e, c in counts.items()},
-            "total": int(sum(sizes)),
-            "arrays_sha256": digest.hexdigest(),
-        }
-        return cls(
-            name,
-            list(source.env_names),
-            [str(k) for k in range(source.num_classes)],
-            source.num_classes,
-            tuple(source.images[0].shape[1:]),
-            cls._split(sizes, trial_seed, holdout_fraction, split),
-            fingerprint,
-            [],
-            trial_seed,
-            holdout_fraction,
-            split,
-            arrays=source,
-        )
-
-    def attach_source(self, source) -> None:
-        """Serve this folder dataset from ``source`` (``store.open_source``): uint8
-        batches for the device augmentation instead of tf.data (module doc)."""
-        if self.folder is None:
-            raise ValueError(f"{self.name} is an in-memory dataset; only image folders take a source.")
-        self.source = source
-
-    @property
-    def flat_labels(self) -> np.ndarray:
-        return np.concatenate(self.folder.labels).astype(np.int32)
-
-    # ---- facts --------------------------------------------------------------------
-    @property
-    def env_sizes(self) -> list[int]:
-        src = self.folder.paths if self.folder is not None else self.arrays.labels
-        return [len(x) for x in src]
-
-    def _check_env(self, env):
-        if not isinstance(env, (int, np.integer)) or not 0 <= env < len(self.env_names):
-            raise ValueError(
-                f"Environment index {env!r} out of range for {self.name} "
-                f"(0..{len(self.env_names) - 1}: {self.env_names})"
-            )
-
-    # ---- batches ------------------------------------------------------------------
-    def train_iterator(
-        self,
-        train_envs,
-        *,
-        seed: int,
-        batch_per_env: int = 32,
-        start_step: int = 0,
-        process_index: int | None = None,
-        process_count: int | None = None,
-    ) -> Iterator[dict]:
-        """Infinite iterator of this host's part of each step's training batch, from
-        ``start_step`` on: ``{'image': float32 [b,H,W,C], 'label': int32 [b]}`` with
-        ``b = batch_per_env * len(train_envs) / process_count`` (module doc)."""
-        train_envs = [int(e) for e in train_envs]
-        if not train_envs or len(set(train_envs)) != len(train_envs):
-            raise ValueError(f"train_envs must be distinct environment indices, got {train_envs}")
-        for e in train_envs:
-            self._check_env(e)
-            if len(self.splits[e]["in"]) == 0:
-                raise ValueError(f"Environment {e} ({self.env_names[e]}) has an empty 'in' split.")
-        p, n_proc = _processes(process_index, process_count)
-        lo, hi = host_rows(batch_per_env * len(train_envs), p, n_proc)
-        in_splits = [self.splits[e]["in"] for e in train_envs]
-        if self.folder is not None:
-            offsets = np.cumsum([0] + self.env_sizes)
-
-            def sampler(step):
-                picks = sample_train_indices(seed, step, in_splits, batch_per_env)
-                return np.concatenate([offsets[e] + k for e, k in zip(train_envs, picks)])[lo:hi]
-
-            if self.source is not None:
-                return self._source_train(sampler, start_step, lo, hi)
-            from sagm_jax.data import tf_input
-
-            ds = tf_input.train_dataset(
-                self.folder,
-                sampler,
-                seed=seed,
-                start_step=start_step,
-                first_row=lo,
-                rows=hi - lo,
-                image_size=self.input_shape[0],
-            )
-            return ds.as_numpy_iterator()
-        return self._array_train(train_envs, in_splits, seed, batch_per_env, start_step, lo, hi)
-
-    def _source_train(self, sampler, start_step, lo, hi):
-        labels, position = self.flat_labels, np.arange(lo, hi, dtype=np.int32)
-        for step in itertools.count(start_step):
-            ids = sampler(step)
-            images, hw = self.source.gather(ids)
-            yield {"image": images, "hw": hw, "label": labels[ids], "position": position}
-
-    def _array_train(self, train_envs, in_splits, seed, batch_per_env, start_step, lo, hi):
-        step = start_step
-        while True:
-            picks = sample_train_indices(seed, step, in_splits, batch_per_env)
-            images = np.concatenate([self.arrays.images[e][k] for e, k in zip(train_envs, picks)])
-            labels = np.concatenate([self.arrays.labels[e][k] for e, k in zip(train_envs, picks)])
-            yield {"image": images[lo:hi], "label": labels[lo:hi].astype(np.int32)}
-            step += 1
-
-    def eval_iterator(
-        self,
-        env: int,
-        part: str = "in",
-        *,
-        batch_size: int = 128,
-        augment: bool = False,
-        seed: int = 0,
-        process_index: int | None = None,
-        process_count: int | None = None,
-        batch_multiple: int = 1,
-    ) -> Iterator[dict]:
-        """Finite iterator over split ``part`` of environment ``env``:
-        ``{'image', 'label', 'mask'}``, every example once, padding masked out.
-        ``augment=True`` applies the training augmentation (DomainBed's old default for
-        validation), seeded by ``seed`` and the example's position. A split smaller
-        than ``batch_size`` comes in one smaller batch (:func:`eval_batch_size`; pass
-        the mesh's device count as ``batch_multiple``)."""
-        self._check_env(env)
-        if part not in self.splits[env]:
-            raise ValueError(f"Split part {part!r} not in {sorted(self.splits[env])}")
-        indices = self.splits[env][part]
-        p, n_proc = _processes(process_index, process_count)
-        position, mask = eval_layout(len(indices), batch_size, p, n_proc, batch_multiple)
-        if self.folder is not None:
-            offset = int(np.sum(self.env_sizes[:env]))
-            ids = offset + indices[position] if len(indices) else position
-            if self.source is not None:
-                return self._source_eval(ids, mask, position, augment)
-            from sagm_jax.data import tf_input
-
-            ds = tf_input.eval_dataset(
-                self.folder,
-                ids,
-                mask,
-                position,
-                augment=augment,
-                seed=seed,
-                image_size=self.input_shape[0],
-            )
-            return ds.as_numpy_iterator()
-        return self._array_eval(env, indices, position, mask)
-
-    def _source_eval(self, ids, mask, position, augment):
-        """Evaluation images from the cache; with ``augment``, canvases for the device
-        augmentation keyed by the example's position in the split."""
-        labels = self.flat_labels
-        for row_ids, row_mask, row_position in zip(ids, mask, position):
-            batch = {"label": labels[row_ids], "mask": row_mask}
-            if augment:
-                batch["image"], batch["hw"] = self.source.gather(row_ids)
-                batch["position"] = row_position.astype(np.int32)
-            else:
-                batch["image"] = self.source.eval_images(row_ids)
-            yield batch
-
-    def _array_eval(self, env, indices, position, mask):
-        for pos, m in zip(position, mask):
-            k = indices[pos]
-            yield {
-                "image": self.arrays.images[env][k],
-                "label": self.arrays.labels[env][k].astype(np.int32),
-                "mask": m,
-            }
-
-    # ---- records ------------------------------------------------------------------
-    def write_split(self, workdir: str) -> str:
-        """Write ``workdir/split.json`` (indices, file lists, fingerprint); returns its path."""
-        relative = self.folder.relative_paths() if self.folder is not None else None
-        return splits_lib.write_split_record(
-            workdir,
-            dataset=self.name,
-            env_names=self.env_names,
-            splits=self.splits,
-            fingerprint=self.fingerprint,
-            trial_seed=self.trial_seed,
-            holdout_fraction=self.holdout_fraction,
-            split_kind=self.split_kind,
-            relative_paths=relative,
-        )

@@ -57,7 +57,58 @@ class DatasetSpec:
         )
 
 
-def _array(name, build_name, domains, num_classes, config_file):
+# The paper's five benchmarks, in the order of its tables: (name, folder under
+# data_dir, classes, published images, homepage).
+_BENCHMARKS = (
+    ("PACS", "PACS", 7, 9991, "https://domaingeneralization.github.io/"),
+    ("VLCS", "VLCS", 5, 10729, "https://github.com/belaalb/G2DM#download-vlcs"),
+    ("OfficeHome", "office_home", 65, 15588, "https://www.hemanthdv.org/officeHomeDataset.html"),
+    (
+        "TerraIncognita",
+        "terra_incognita",
+        10,
+        24788,
+        "https://lila.science/datasets/caltech-camera-traps",
+    ),
+    ("DomainNet", "domain_net", 345, 586575, "http://ai.bu.edu/M3SDA/"),
+)
+# Their domain folders, sorted, with each one's published image count where known.
+_DOMAINS = {
+    "PACS": {"art_painting": 2048, "cartoon": 2344, "photo": 1670, "sketch": 3929},
+    "VLCS": {"Caltech101": 1415, "LabelMe": 2656, "SUN09": 3282, "VOC2007": 3376},
+    "OfficeHome": {"Art": 2427, "Clipart": 4365, "Product": 4439, "Real World": 4357},
+    "TerraIncognita": dict.fromkeys(["location_100", "location_38", "location_43", "location_46"]),
+    "DomainNet": dict.fromkeys(["clipart", "infograph", "painting", "quickdraw", "real", "sketch"]),
+}
+_NOTES = {
+    "TerraIncognita": "DomainBed's download.py selects the four locations and ten classes",
+    "DomainNet": "before DomainBed's download.py removes its listed duplicates, so a "
+    "DomainBed download has slightly fewer",
+}
+
+
+def _benchmark(name, folder, num_classes, total, homepage) -> DatasetSpec:
+    """One of the paper's image-folder benchmarks (the tables above)."""
+    domains = _DOMAINS[name]
+    return DatasetSpec(
+        name,
+        "folder",
+        folder,
+        tuple(domains),
+        num_classes,
+        total,
+        domains if None not in domains.values() else None,
+        homepage=homepage,
+        note=_NOTES.get(name, ""),
+        config_file=f"configs/{folder.lower()}.py",
+        in_paper=True,
+    )
+
+
+def _array(name, build_name, domains, num_classes) -> DatasetSpec:
+    """An in-memory dataset built by ``mnist.<build_name>``, configured by
+    ``configs/<build_name>.py``."""
+
     def build(data_dir, data_seed):
         from sagm_jax.data import mnist
 
@@ -69,86 +120,22 @@ def _array(name, build_name, domains, num_classes, config_file):
         domains=domains,
         num_classes=num_classes,
         build=build,
-        config_file=config_file,
+        config_file=f"configs/{build_name}.py",
     )
 
 
 _ROTATION_ENVS = tuple(str(angle) for angle in ROTATIONS)
 
-
 DATASETS: dict[str, DatasetSpec] = {
-    "PACS": DatasetSpec(
-        "PACS",
-        "folder",
-        "PACS",
-        ("art_painting", "cartoon", "photo", "sketch"),
-        7,
-        9991,
-        {"art_painting": 2048, "cartoon": 2344, "photo": 1670, "sketch": 3929},
-        homepage="https://domaingeneralization.github.io/",
-        config_file="configs/pacs.py",
-        in_paper=True,
-    ),
-    "VLCS": DatasetSpec(
-        "VLCS",
-        "folder",
-        "VLCS",
-        ("Caltech101", "LabelMe", "SUN09", "VOC2007"),
-        5,
-        10729,
-        {"Caltech101": 1415, "LabelMe": 2656, "SUN09": 3282, "VOC2007": 3376},
-        homepage="https://github.com/belaalb/G2DM#download-vlcs",
-        config_file="configs/vlcs.py",
-        in_paper=True,
-    ),
-    "OfficeHome": DatasetSpec(
-        "OfficeHome",
-        "folder",
-        "office_home",
-        ("Art", "Clipart", "Product", "Real World"),
-        65,
-        15588,
-        {"Art": 2427, "Clipart": 4365, "Product": 4439, "Real World": 4357},
-        homepage="https://www.hemanthdv.org/officeHomeDataset.html",
-        config_file="configs/office_home.py",
-        in_paper=True,
-    ),
-    "TerraIncognita": DatasetSpec(
-        "TerraIncognita",
-        "folder",
-        "terra_incognita",
-        ("location_100", "location_38", "location_43", "location_46"),
-        10,
-        24788,
-        homepage="https://lila.science/datasets/caltech-camera-traps (DomainBed's download.py "
-        "selects the four locations and ten classes)",
-        config_file="configs/terra_incognita.py",
-        in_paper=True,
-    ),
-    "DomainNet": DatasetSpec(
-        "DomainNet",
-        "folder",
-        "domain_net",
-        ("clipart", "infograph", "painting", "quickdraw", "real", "sketch"),
-        345,
-        586575,
-        homepage="http://ai.bu.edu/M3SDA/",
-        note="before DomainBed's download.py removes its listed duplicates, so a "
-        "DomainBed download has slightly fewer",
-        config_file="configs/domain_net.py",
-        in_paper=True,
-    ),
-    # Its environments are the folders of the researcher's data_dir.
-    "ImageFolder": DatasetSpec("ImageFolder", "folder", config_file="configs/image_folder.py"),
-    "RotatedMNIST": _array(
-        "RotatedMNIST", "rotated_mnist", _ROTATION_ENVS, 10, "configs/rotated_mnist.py"
-    ),
-    "ColoredMNIST": _array(
-        "ColoredMNIST", "colored_mnist", COLOR_ENV_NAMES, 2, "configs/colored_mnist.py"
-    ),
-    "RotatedDigits": _array(
-        "RotatedDigits", "rotated_digits", _ROTATION_ENVS, 10, "configs/rotated_digits.py"
-    ),
+    spec.name: spec
+    for spec in (
+        *(_benchmark(*row) for row in _BENCHMARKS),
+        # Its environments are the folders of the researcher's data_dir.
+        DatasetSpec("ImageFolder", "folder", config_file="configs/image_folder.py"),
+        _array("RotatedMNIST", "rotated_mnist", _ROTATION_ENVS, 10),
+        _array("ColoredMNIST", "colored_mnist", COLOR_ENV_NAMES, 2),
+        _array("RotatedDigits", "rotated_digits", _ROTATION_ENVS, 10),
+    )
 }
 
 # The paper's five benchmarks, in the order of its tables.
@@ -183,6 +170,13 @@ def _check_layout(spec: DatasetSpec, index, data_dir: str) -> None:
         )
 
 
+def tf_data_source(index, image_size: int):
+    """The tf.data source of an image folder (imports TensorFlow: called only when chosen)."""
+    from sagm_jax.data import tf_input
+
+    return tf_input.TFDataSource(index, image_size)
+
+
 def load(
     name: str,
     data_dir: str | None,
@@ -196,6 +190,7 @@ def load(
     data_seed: int = 0,
     image_size: int = 224,
     check_layout: bool = True,
+    open_images: Callable | None = tf_data_source,
 ):
     """Open dataset ``name`` and split it for ``trial_seed``; returns ``DomainBedData``.
 
@@ -207,9 +202,12 @@ def load(
     of the MNIST-like datasets. image_size: side of the model input for image folders.
     check_layout=False opens a folder whose domains or class count differ from the
     published ones (``verify`` reports the differences after printing the counts).
+    open_images: for image folders, ``(FolderIndex, image_size) -> dataset.Source``,
+    where the batches come from (default tf.data, :func:`tf_data_source`;
+    ``store.CanvasSource.open`` for the decoded store); None opens the split alone.
     """
     from sagm_jax.data import image_folder
-    from sagm_jax.data.pipeline import DomainBedData
+    from sagm_jax.data.dataset import DomainBedData
 
     spec = get_spec(name)
     if split not in ("domainbed", "in_domain"):
@@ -232,9 +230,11 @@ def load(
     )
     if check_layout:
         _check_layout(spec, index, data_dir)
+    source = open_images(index, image_size) if open_images is not None else None
     return DomainBedData.from_folder(
         name,
         index,
+        source,
         trial_seed=trial_seed,
         holdout_fraction=holdout_fraction,
         split=split,

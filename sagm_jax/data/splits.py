@@ -35,6 +35,8 @@ import os
 
 import numpy as np
 
+from sagm_jax import rundir
+
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
@@ -111,24 +113,15 @@ def domainbed_splits(
     return result
 
 
-def write_split_record(
-    workdir: str,
-    *,
-    dataset: str,
-    env_names,
-    splits,
-    fingerprint: dict,
-    trial_seed: int,
-    holdout_fraction: float,
-    split_kind: str,
-    relative_paths=None,
-) -> str:
-    """Write ``<workdir>/split.json``: the dataset fingerprint and, per environment, the
-    index lists of each split part (indices into the environment's example order) and,
-    for image folders, the relative file paths of each part. Returns the file path."""
+def write_split_record(workdir: str, dataset) -> str:
+    """Write ``<workdir>/split.json`` for ``dataset`` (``DomainBedData``): its fingerprint
+    and split rule and, per environment, the index lists of each split part (indices into
+    the environment's example order) and, for image folders, the relative file paths of
+    each part. Returns the file path."""
     os.makedirs(workdir, exist_ok=True)
+    relative_paths = dataset.folder.relative_paths() if dataset.folder is not None else None
     envs = []
-    for env_index, (name, parts) in enumerate(zip(env_names, splits)):
+    for env_index, (name, parts) in enumerate(zip(dataset.env_names, dataset.splits)):
         entry = {
             "env": env_index,
             "name": name,
@@ -141,14 +134,14 @@ def write_split_record(
             }
         envs.append(entry)
     record = {
-        "dataset": dataset,
-        "trial_seed": trial_seed,
-        "holdout_fraction": holdout_fraction,
-        "split": split_kind,
-        "fingerprint": fingerprint,
+        "dataset": dataset.name,
+        "trial_seed": dataset.trial_seed,
+        "holdout_fraction": dataset.holdout_fraction,
+        "split": dataset.split_kind,
+        "fingerprint": dataset.fingerprint,
         "environments": envs,
     }
-    path = os.path.join(workdir, "split.json")
+    path = os.path.join(workdir, rundir.SPLIT)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(record, f)

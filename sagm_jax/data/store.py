@@ -2,7 +2,9 @@
 
 Owns the host side of the image-folder input for on-accelerator augmentation
 (``device_augment.py``): the host only gathers uint8 images onto a zero-padded canvas
-with each image's true ``(h, w)``, and the evaluation images. No TensorFlow here.
+with each image's true ``(h, w)``, and the evaluation images; ``CanvasSource`` serves a
+dataset's batches from them (the ``dataset.Source`` of ``config.input='device'``). No
+TensorFlow here.
 
 Decoding is torchvision's loader, ``Image.open(path).convert("RGB")``, so the pixels
 equal the reference's. From the full-resolution image, one pass makes:
@@ -16,12 +18,12 @@ equal the reference's. From the full-resolution image, one pass makes:
 * the evaluation image: ``resize((S, S), BILINEAR)`` of the full image, what
   torchvision's ``Resize((S, S))`` does on PIL images.
 
-Layout of a store, ``<cache_dir>/stores/<key>/``: ``pixels.u8`` (every stored image's
-rows, flat, in flat id order: environment 0's files, then 1's, ... as in
-``FolderIndex.paths``), ``offsets.npy`` (int64 [N+1] byte offsets into it),
-``shapes.npy`` (int32 [N, 2] stored (h, w)), ``eval.u8`` (uint8 [N, S, S, 3]) and
-``manifest.json`` (format, key, N, canvas, each data file's byte size and CRC-32),
-written last. ``key`` is the SHA-256 over the format version, ``image_size``,
+Layout of a store, ``<cache root>/stores/<key>/`` (``image_folder.cache_folder``):
+``pixels.u8`` (every stored image's rows, flat, in flat id order: environment 0's
+files, then 1's, ... as in ``FolderIndex.paths``), ``offsets.npy`` (int64 [N+1] byte
+offsets into it), ``shapes.npy`` (int32 [N, 2] stored (h, w)), ``eval.u8`` (uint8
+[N, S, S, 3]) and ``manifest.json`` (format, key, N, canvas, each data file's byte
+size and CRC-32), written last. ``key`` is the SHA-256 over the format version, ``image_size``,
 ``short_side`` and every file's (relative path, size, mtime_ns), so a changed dataset
 gets a new store (the old one is reported, not used).
 
@@ -59,6 +61,7 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -74,7 +77,7 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from sagm_jax.data.image_folder import BadImageError
+from sagm_jax.data.image_folder import BadImageError, cache_folder
 
 log = logging.getLogger(__name__)
 
@@ -114,10 +117,6 @@ def estimate_store_bytes(sizes: np.ndarray, image_size: int, short_side: int) ->
     """Bytes of a store for images of original ``sizes`` ([N, 2] (h, w))."""
     shapes = _stored_shapes(sizes, short_side).astype(np.int64)
     return int(np.sum(shapes[:, 0] * shapes[:, 1] * 3) + len(shapes) * image_size**2 * 3)
-
-
-def default_cache_root() -> str:
-    return os.environ.get("SAGM_JAX_CACHE", os.path.expanduser("~/.cache/sagm_jax"))
 
 
 def _cpu_count() -> int:
@@ -419,6 +418,47 @@ class StreamingSource:
         return out
 
 
+class CanvasSource:
+    """The ``dataset.Source`` of an image folder served from decoded ``images`` (an
+    ``ImageStore`` or a ``StreamingSource``) with the int32 ``labels`` of its flat ids:
+    the host only gathers uint8 rows, and the augmentation runs on the accelerator
+    (``device_augment.py``, keyed by each example's position in the global batch).
+    Training batches carry ``{'image': uint8 canvases, 'hw', 'label', 'position'}``;
+    evaluation batches the decoded uint8 evaluation images."""
+
+    def __init__(self, images: ImageStore | StreamingSource, labels: np.ndarray):
+        self.images = images
+        self.labels = np.asarray(labels, np.int32)
+
+    @classmethod
+    def open(cls, index, image_size: int, **options) -> CanvasSource:
+        """The folder ``index``'s images through ``open_source(index, image_size=image_size,
+        **options)``."""
+        images = open_source(index, image_size=image_size, **options)
+        return cls(images, np.concatenate(index.labels))
+
+    def train_batches(self, ids_at, positions, *, start_step: int, seed: int):
+        """``dataset.Source.train_batches``; ``seed`` is the device augmentation's."""
+        del seed
+        for step in itertools.count(start_step):
+            ids = ids_at(step)
+            images, hw = self.images.gather(ids)
+            yield {"image": images, "hw": hw, "label": self.labels[ids], "position": positions}
+
+    def eval_batches(self, ids, mask, position, *, augment: bool, seed: int):
+        """``dataset.Source.eval_batches``: the evaluation images; with ``augment``,
+        canvases for the device augmentation keyed by the example's position in the split."""
+        del seed
+        for row_ids, row_mask, row_position in zip(ids, mask, position):
+            batch = {"label": self.labels[row_ids], "mask": row_mask}
+            if augment:
+                batch["image"], batch["hw"] = self.images.gather(row_ids)
+                batch["position"] = row_position.astype(np.int32)
+            else:
+                batch["image"] = self.images.eval_images(row_ids)
+            yield batch
+
+
 # ---- building and finding stores ---------------------------------------------------
 def _discard(path: str) -> None:
     """Remove a store folder: renamed away first (atomic), so no one opens it half-gone."""
@@ -592,8 +632,8 @@ def open_source(
 ) -> ImageStore | StreamingSource:
     """mode 'cache': build (or reuse) the store; 'stream': StreamingSource; 'auto': the store unless
     its estimated size (from the images' header sizes, stored shapes, plus the eval images) exceeds
-    budget_gb GiB, then streaming. cache_dir None = $SAGM_JAX_CACHE or ~/.cache/sagm_jax, under a
-    'stores' sub-folder.
+    budget_gb GiB, then streaming. cache_dir: the cache root (None: the default,
+    ``image_folder.cache_folder``), under a 'stores' sub-folder.
 
     'auto' also streams when the disk has too little free space for the store ('cache' then
     raises), and uses a valid existing store whatever its size. workers: decoding processes of
@@ -607,7 +647,7 @@ def open_source(
         sizes = read_sizes(paths, progress=progress)
         return StreamingSource(paths, sizes, image_size=image_size, short_side=short_side)
 
-    stores_dir = os.path.join(cache_dir or default_cache_root(), "stores")
+    stores_dir = cache_folder("stores", cache_dir)
     os.makedirs(stores_dir, exist_ok=True)
     key = store_key(index.root, paths, image_size, short_side)
     final = os.path.join(stores_dir, key)

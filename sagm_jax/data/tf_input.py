@@ -175,3 +175,39 @@ def eval_dataset(index, ids, mask, position, *, augment: bool, seed: int, image_
     )
     ds = ds.map(load, num_parallel_calls=AUTOTUNE, deterministic=True)
     return ds.batch(rows).prefetch(AUTOTUNE)
+
+
+class TFDataSource:
+    """The ``dataset.Source`` of an image folder read by tf.data on the host: the files of
+    ``index`` (``image_folder.FolderIndex``) decoded and augmented (or resized for
+    evaluation) to ``image_size``, normalised float32 images."""
+
+    def __init__(self, index, image_size: int):
+        self.index = index
+        self.image_size = int(image_size)
+
+    def train_batches(self, ids_at, positions, *, start_step: int, seed: int):
+        """``dataset.Source.train_batches`` (:func:`train_dataset`)."""
+        ds = train_dataset(
+            self.index,
+            ids_at,
+            seed=seed,
+            start_step=start_step,
+            first_row=int(positions[0]),
+            rows=len(positions),
+            image_size=self.image_size,
+        )
+        return ds.as_numpy_iterator()
+
+    def eval_batches(self, ids, mask, position, *, augment: bool, seed: int):
+        """``dataset.Source.eval_batches`` (:func:`eval_dataset`)."""
+        ds = eval_dataset(
+            self.index,
+            ids,
+            mask,
+            position,
+            augment=augment,
+            seed=seed,
+            image_size=self.image_size,
+        )
+        return ds.as_numpy_iterator()

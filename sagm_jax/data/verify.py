@@ -60,6 +60,7 @@ def main(argv=None) -> int:
             skip_bad_files=args.skip_bad_files,
             cache_dir=None if args.no_cache else "default",
             check_layout=False,  # print what is there, then every difference
+            open_images=None,  # the files' counts only: no batches, no TensorFlow
         )
     except (
         image_folder.DatasetNotFoundError,

@@ -5,7 +5,8 @@ This package owns the networks and their weights:
   resnet                torchvision-exact ResNet-18/50 with DomainBed's head.
   mnist_cnn             DomainBed's four-conv CNN for the MNIST variants.
   mixstyle              MixStyle, switched on per call, with its own rng stream.
-  torchvision_weights   reading checkpoints (.pth, .safetensors, .npz) and strict mapping.
+  torchvision_weights   which file each ResNet starts from and its URL; reading checkpoints
+                        (.pth, .safetensors, .npz) and strict mapping.
   convert               `python -m sagm_jax.models.convert in.pth out.safetensors`.
   synthetic             seeded torchvision-shaped weights for the parity tests.
 
@@ -27,11 +28,13 @@ from sagm_jax.models.mixstyle import MixStyle
 from sagm_jax.models.mnist_cnn import MnistCNN
 from sagm_jax.models.resnet import ARCHITECTURES, MIXSTYLE_STAGES, ResNet
 from sagm_jax.models.torchvision_weights import (
+    WEIGHTS_FILES,
     convert_torchvision,
     file_sha256,
     imagenet_classifier,
     load_weights,
     save_weights,
+    weights_url,
     with_pretrained_backbone,
 )
 
@@ -40,6 +43,7 @@ ARCHS = (*ARCHITECTURES, "mnist_cnn")
 
 __all__ = [
     "ARCHS",
+    "WEIGHTS_FILES",
     "MixStyle",
     "MnistCNN",
     "ResNet",
@@ -50,6 +54,7 @@ __all__ = [
     "imagenet_classifier",
     "load_weights",
     "save_weights",
+    "weights_url",
     "with_pretrained_backbone",
 ]
 

@@ -3,6 +3,8 @@
 This module owns everything between a torchvision weights file and our Flax
 variables:
 
+* ``WEIGHTS_FILES`` and ``weights_url(arch)``: which file of torchvision's each
+  architecture starts from, and where it is downloaded.
 * ``load_weights(path)`` reads a state dict from a torchvision ``.pth`` (with
   torch, the optional extra ``sagm_jax[torch]``), or from a ``.safetensors`` or
   ``.npz`` file (no torch), and returns it with the file's SHA-256, so every run
@@ -50,6 +52,15 @@ SUPPORTED_SUFFIXES = (".pth", ".pt", ".safetensors", ".npz")
 IGNORED_SUFFIX = ".num_batches_tracked"
 # How many key names an error message lists before it summarises the rest.
 MAX_KEYS_IN_MESSAGE = 20
+# torchvision's IMAGENET1K_V1 weights, the ones DomainBed starts from (the hex in a
+# name is the start of the file's SHA-256).
+WEIGHTS_FILES = {"resnet50": "resnet50-0676ba61.pth", "resnet18": "resnet18-f37072fd.pth"}
+
+
+def weights_url(arch: str) -> str:
+    """Where torchvision's ImageNet weights for ``arch`` (a key of ``WEIGHTS_FILES``)
+    are downloaded from."""
+    return "https://download.pytorch.org/models/" + WEIGHTS_FILES[arch]
 
 
 @dataclass(frozen=True)

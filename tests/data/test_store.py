@@ -1,5 +1,6 @@
-"""The decoded image store (``sagm_jax.data.store``): pixels, reuse, staleness, corruption,
-concurrent builds, streaming and the choice between them. Tiny images, short_side 24."""
+"""The decoded image store (``sagm_jax.data.store``): pixels (16-bit PNGs included), reuse,
+staleness, corruption, concurrent builds, streaming and the choice between them. Tiny
+images, short_side 24."""
 
 import concurrent.futures
 import logging
@@ -9,6 +10,7 @@ import threading
 
 import numpy as np
 import pytest
+from data_fixtures import pil_rgb, write_sixteen_bit_tree
 from PIL import Image
 
 from sagm_jax.data import image_folder, store
@@ -293,3 +295,24 @@ def test_auto_streams_over_budget_and_names_bad_files(tmp_path):
         open_store(index, cache)
     with pytest.raises(image_folder.BadImageError, match=re.escape(bad)):
         tiny.gather([1])
+
+
+@pytest.fixture(scope="module")
+def sixteen_bit_index(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("sixteen_bit"))
+    write_sixteen_bit_tree(root)
+    return image_folder.scan_image_folder(root, missing_help="", cache_dir=None)
+
+
+@pytest.mark.parametrize("mode", ["cache", "stream"])
+def test_sixteen_bit_pixels_are_pils(sixteen_bit_index, tmp_path, mode):
+    """16-bit PNGs, built and streamed, are torchvision's loader's pixels (data_fixtures)."""
+    source = open_store(sixteen_bit_index, tmp_path, mode=mode)
+    paths = flat(sixteen_bit_index)
+    ids = np.arange(len(paths))
+    images, hw = source.gather(ids)
+    evals = source.eval_images(ids)
+    for k, path in enumerate(paths):
+        h, w = hw[k]
+        np.testing.assert_array_equal(images[k, :h, :w], pil_rgb(path), err_msg=path)
+        np.testing.assert_array_equal(evals[k], expected_eval(path), err_msg=path)

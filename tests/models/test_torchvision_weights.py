@@ -8,6 +8,7 @@ import pytest
 
 from sagm_jax import models
 from sagm_jax.models import convert as convert_cli
+from sagm_jax.models.resnet import ARCHITECTURES
 from sagm_jax.models.synthetic import draw_torchvision_weights
 from sagm_jax.models.torchvision_weights import torchvision_layout
 
@@ -150,3 +151,10 @@ def test_convert_command_refuses_a_mismatched_state_dict(tmp_path, resnet18_weig
     with pytest.raises(ValueError, match="missing keys .*fc.bias"):
         convert_cli.main([str(source), str(tmp_path / "out.safetensors")])
     assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_every_resnet_names_the_torchvision_file_it_starts_from():
+    assert set(models.WEIGHTS_FILES) == set(ARCHITECTURES)
+    for arch, file in models.WEIGHTS_FILES.items():
+        assert file.startswith(f"{arch}-") and file.endswith(".pth")
+        assert models.weights_url(arch) == f"https://download.pytorch.org/models/{file}"

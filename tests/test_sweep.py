@@ -1,4 +1,4 @@
-"""The sweep launcher: job list and hashes, bookkeeping (skip, relaunch, failures,
+"""sagm_jax.sweep: job list and hashes, bookkeeping (skip, relaunch, failures,
 GPU pinning, status), exactly-once runs (two launchers at once, a killed launcher,
 SIGTERM), repeated --set, the submitit path (local executor, requeue after a time
 limit, the SLURM batch script), and one real tiny training job through its command."""
@@ -12,7 +12,9 @@ import time
 
 import pytest
 
-from experiments import collect_results, sweep
+from sagm_jax import collect_results
+from sagm_jax.sweep import jobs as sweep_jobs, launchers
+from sagm_jax.sweep.__main__ import main as sweep_main, parse_args
 
 GRID = {"lr": [1e-5, 3e-5], "alpha": [1e-3, 5e-4]}
 
@@ -27,7 +29,7 @@ def jobs_for(output_dir, **overrides):
         fixed={"steps": 301},
         output_dir=output_dir,
     )
-    return sweep.make_jobs(**{**kwargs, **overrides})
+    return sweep_jobs.make_jobs(**{**kwargs, **overrides})
 
 
 def test_job_list_hashes_are_stable_unique_and_domainbeds(tmp_path):
@@ -51,7 +53,7 @@ def test_job_list_hashes_are_stable_unique_and_domainbeds(tmp_path):
     expected = hashlib.md5(json.dumps(first, sort_keys=True).encode()).hexdigest()
     assert jobs[0].directory == os.path.join(str(tmp_path), expected)
     # A hash depends on the arguments' values, not their order.
-    assert sweep.job_hash(dict(reversed(list(first.items())))) == expected
+    assert sweep_jobs.job_hash(dict(reversed(list(first.items())))) == expected
 
 
 def test_command_overrides_every_argument(tmp_path):
@@ -75,18 +77,19 @@ def test_command_overrides_every_argument(tmp_path):
 
 
 def test_test_env_sets_and_value_parsing():
-    assert sweep.test_env_sets(["all"], 3) == [[0], [1], [2]]
-    assert sweep.test_env_sets(["all_with_pairs"], 3) == [[0], [0, 1], [0, 2], [1], [1, 2], [2]]
-    assert sweep.test_env_sets(["1,0"], 3) == [[0, 1]]
+    assert sweep_jobs.test_env_sets(["all"], 3) == [[0], [1], [2]]
+    pairs = [[0], [0, 1], [0, 2], [1], [1, 2], [2]]
+    assert sweep_jobs.test_env_sets(["all_with_pairs"], 3) == pairs
+    assert sweep_jobs.test_env_sets(["1,0"], 3) == [[0, 1]]
     with pytest.raises(ValueError, match="'x'"):
-        sweep.test_env_sets(["x"], 3)
-    assert sweep.parse_assignments(["lr=1e-5,3e-5", "mixstyle=True,False"], "--grid") == {
+        sweep_jobs.test_env_sets(["x"], 3)
+    assert sweep_jobs.parse_assignments(["lr=1e-5,3e-5", "mixstyle=True,False"], "--grid") == {
         "lr": [1e-5, 3e-5],
         "mixstyle": [True, False],
     }
-    assert sweep.parse_assignments(["arch=resnet50"], "--set") == {"arch": ["resnet50"]}
+    assert sweep_jobs.parse_assignments(["arch=resnet50"], "--set") == {"arch": ["resnet50"]}
     with pytest.raises(ValueError, match="'lr'"):
-        sweep.parse_assignments(["lr"], "--grid")
+        sweep_jobs.parse_assignments(["lr"], "--grid")
     with pytest.raises(ValueError, match="--set lr"):
         jobs_for("out", fixed={"lr": 1e-3})
 
@@ -115,13 +118,18 @@ def test_launch_skips_done_relaunches_incomplete_and_reports_failures(tmp_path):
     os.makedirs(done.directory)
     open(os.path.join(done.directory, "done"), "w").close()
     os.makedirs(incomplete.directory)
+    with open(os.path.join(incomplete.directory, "results.jsonl"), "w") as f:
+        f.write(json.dumps({"step": 0}) + "\n" + json.dumps({"step": 100}) + "\n")
     log = tmp_path / "log.txt"
     assert [j.status() for j in jobs] == ["done", "incomplete", "not launched", "not launched"]
-    table = sweep.status_table(jobs)
+    table = sweep_jobs.status_table(jobs, str(tmp_path / "sweep"))
     assert "4 jobs: 1 done, 0 running, 1 incomplete, 2 not launched" in table
-    assert table.splitlines()[0].split() == ["status", "job", "lr", "test_envs"]
+    assert table.splitlines()[0].split() == ["status", "job", "step", "lr", "test_envs"]
+    column = table.index("step")
+    steps = [line[column:].split()[0] for line in table.splitlines()[1:5]]
+    assert steps == ["-", "100", "-", "-"]  # the last evaluated step, from rundir.find_runs
 
-    result = sweep.launch(
+    result = launchers.launch(
         jobs, workers=2, make_command=fake_command(log, failing.directory), log=lambda _: None
     )
     ran = sorted(log.read_text().split())
@@ -135,13 +143,13 @@ def test_launch_skips_done_relaunches_incomplete_and_reports_failures(tmp_path):
     out = open(os.path.join(fresh.directory, "out.txt")).read().splitlines()
     assert out[0].startswith("=== ") and out[-1] == "gpu None"  # a header per launch
     assert [j.status() for j in jobs] == ["done", "done", "incomplete", "done"]
-    assert [j.directory for j in sweep.delete_incomplete(jobs)] == [failing.directory]
+    assert [j.directory for j in sweep_jobs.delete_incomplete(jobs)] == [failing.directory]
     assert not os.path.exists(failing.directory)
 
 
 def test_gpu_workers_pin_one_gpu_each(tmp_path):
     jobs = jobs_for(tmp_path, algorithms=["erm"])  # 8 jobs
-    sweep.launch(
+    launchers.launch(
         jobs, gpus=["0", "1"], make_command=fake_command(tmp_path / "log"), log=lambda _: None
     )
     seen = [open(os.path.join(j.directory, "out.txt")).read().split()[-1] for j in jobs]
@@ -149,7 +157,7 @@ def test_gpu_workers_pin_one_gpu_each(tmp_path):
 
 
 def test_cli_reports_bad_input(capsys):
-    assert sweep.main(["status", "--datasets", "Nope", "--output_dir", "x"]) == 2
+    assert sweep_main(["status", "--datasets", "Nope", "--output_dir", "x"]) == 2
     assert "'Nope'" in capsys.readouterr().err
 
 
@@ -158,7 +166,7 @@ def test_one_real_tiny_job(tmp_path, monkeypatch):
     """The launcher's real command trains (2 steps of RotatedDigits) and the collector
     reads what it wrote."""
     monkeypatch.setenv("XLA_FLAGS", "")  # one CPU device for the subprocess
-    jobs = sweep.make_jobs(
+    jobs = sweep_jobs.make_jobs(
         ["RotatedDigits"],
         ["sagm"],
         ["0"],
@@ -167,13 +175,13 @@ def test_one_real_tiny_job(tmp_path, monkeypatch):
         {"steps": 2, "eval_every": 1, "batch_per_env": 8, "eval_batch_size": 64},
         str(tmp_path / "sweep"),
     )
-    result = sweep.launch(jobs, log=lambda _: None)
+    result = launchers.launch(jobs, log=lambda _: None)
     err = open(os.path.join(jobs[0].directory, "err.txt")).read()
     assert result["finished"] == jobs, err[-2000:]
     records = [json.loads(line) for line in open(os.path.join(jobs[0].directory, "results.jsonl"))]
     assert [r["step"] for r in records] == [0, 1]
     assert records[0]["args"]["test_envs"] == [0] and records[0]["hparams"]["batch_per_env"] == 8
-    assert sweep.launch(jobs, log=lambda _: None)["skipped"] == jobs  # done: not run again
+    assert launchers.launch(jobs, log=lambda _: None)["skipped"] == jobs  # done: not run again
     report = collect_results.build_report(str(tmp_path / "sweep"))
     assert "| SAGM | " in report and "(1/1)" not in report
 
@@ -185,13 +193,12 @@ def test_one_real_tiny_job(tmp_path, monkeypatch):
 
 LAUNCHER = """
 import json, sys
-sys.path.insert(0, sys.argv[1])
-from experiments import sweep
-spec = json.load(open(sys.argv[2]))
-jobs = [sweep.Job(args, spec["output_dir"]) for args in spec["jobs"]]
+from sagm_jax.sweep import jobs as sweep_jobs, launchers
+spec = json.load(open(sys.argv[1]))
+jobs = [sweep_jobs.Job(args, spec["output_dir"]) for args in spec["jobs"]]
 command = lambda job: [
     sys.executable, spec["fake"], job.directory, spec["log"], str(spec["seconds"])]
-result = sweep.launch(
+result = launchers.launch(
     jobs, workers=spec["workers"], make_command=command, log=lambda m: print(m, flush=True))
 print("RESULT " + json.dumps({k: len(v) for k, v in result.items()}), flush=True)
 """
@@ -216,9 +223,6 @@ open(os.path.join(workdir, "done"), "w").close()
 note("end")
 """
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
 def start_launcher(tmp_path, jobs, seconds, workers=1, name="spec"):
     fake = tmp_path / "fake_job.py"
     fake.write_text(FAKE_JOB)
@@ -236,7 +240,7 @@ def start_launcher(tmp_path, jobs, seconds, workers=1, name="spec"):
         )
     )
     return subprocess.Popen(
-        [sys.executable, "-c", LAUNCHER, REPO, str(spec)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", LAUNCHER, str(spec)], stdout=subprocess.PIPE, text=True
     )
 
 
@@ -321,13 +325,13 @@ def test_repeated_set_accumulates_and_a_key_given_twice_is_refused(tmp_path, cap
     argv = ["launch", "--dry_run", "--datasets", "PACS", "--algorithms", "sagm"]
     argv += ["--test_envs", "0", "--output_dir", str(tmp_path)]
     argv += ["--set", "data_dir=/data", "pretrained_weights=/w.pth", "--set", "split=in_domain"]
-    assert sweep.main(argv) == 0
+    assert sweep_main(argv) == 0
     command = capsys.readouterr().out
     for flag in ("data_dir=/data", "pretrained_weights=/w.pth", "split=in_domain"):
         assert f"--config.{flag}" in command
-    assert sweep.main(argv + ["--set", "split=domainbed"]) == 2
+    assert sweep_main(argv + ["--set", "split=domainbed"]) == 2
     assert "--set split is given twice" in capsys.readouterr().err
-    args = sweep.parse_args(argv + ["--grid", "lr=1e-5,3e-5", "--grid", "dropout=0,0.5"])
+    args = parse_args(argv + ["--grid", "lr=1e-5,3e-5", "--grid", "dropout=0,0.5"])
     assert args.grid == ["lr=1e-5,3e-5", "dropout=0,0.5"]
 
 
@@ -339,7 +343,7 @@ def test_status_explains_folders_that_are_not_jobs_of_the_grid(tmp_path, capsys)
         json.dump({**other.args, "steps": 5001}, f)
     (output / "stray").mkdir()
     argv = ["status", "--datasets", "PACS", "--algorithms", "erm", "--test_envs", "0"]
-    assert sweep.main(argv + ["--output_dir", str(output), "--set", "steps=301"]) == 0
+    assert sweep_main(argv + ["--output_dir", str(output), "--set", "steps=301"]) == 0
     out = capsys.readouterr().out
     assert "2 folder(s) in" in out and "are not jobs of this grid" in out
     assert "steps=5001 (this grid: 301)" in out
@@ -370,18 +374,24 @@ def fake_task_command(log, first_seconds):
     return lambda job: [sys.executable, "-c", script, job.directory, str(log), str(first_seconds)]
 
 
-def test_cluster_path_through_submitits_local_executor(tmp_path):
+def test_cluster_path_through_submitits_local_executor(tmp_path, monkeypatch):
+    """The task is pickled by reference to sagm_jax.sweep.launchers and unpickled by a
+    fresh process started elsewhere, with no PYTHONPATH: the installed package is
+    all it needs."""
     import submitit
+
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    monkeypatch.chdir(tmp_path)
 
     output = str(tmp_path / "sweep")
     jobs = jobs_for(output, algorithms=["erm"], test_envs=["0"], trial_seeds=[0])  # 2 lrs
     executor = submitit.LocalExecutor(folder=str(tmp_path / "logs" / "%j"))
-    executor.update_parameters(timeout_min=2, setup=[sweep.PYTHONPATH_SETUP])
+    executor.update_parameters(timeout_min=2)
     log = tmp_path / "log.txt"
-    tasks = sweep.submit(jobs, output, executor, fake_task_command(log, 0), log=lambda _: None)
+    tasks = launchers.submit(jobs, output, executor, fake_task_command(log, 0), log=lambda _: None)
     assert [task.result()["outcome"] for task in tasks] == [0, 0]
     assert all(job.status() == "done" for job in jobs)
-    assert sweep.submit(jobs, output, executor, log=lambda _: None) == []  # all done
+    assert launchers.submit(jobs, output, executor, log=lambda _: None) == []  # all done
 
 
 def test_a_preempted_cluster_task_stops_its_run_requeues_and_resumes(tmp_path):
@@ -392,11 +402,10 @@ def test_a_preempted_cluster_task_stops_its_run_requeues_and_resumes(tmp_path):
     # The time limit's signal (USR2) comes 6 s after the start, as SLURM's would before
     # the limit; the task stops the run and submitit requeues the task.
     executor = submitit.LocalExecutor(folder=str(tmp_path / "logs" / "%j"), max_num_timeout=2)
-    executor.update_parameters(
-        timeout_min=12 / 60, signal_delay_s=6, setup=[sweep.PYTHONPATH_SETUP]
-    )
+    executor.update_parameters(timeout_min=12 / 60, signal_delay_s=6)
     log = tmp_path / "log.txt"
-    (task,) = sweep.submit([job], output, executor, fake_task_command(log, 60), log=lambda _: None)
+    command = fake_task_command(log, 60)
+    (task,) = launchers.submit([job], output, executor, command, log=lambda _: None)
     assert task.result()["outcome"] == 0, task.stdout()
     assert log.read_text().split() == ["start", "stopped", "resumed", "end"]
     assert job.status() == "done"
@@ -416,7 +425,7 @@ def test_slurm_submission_is_one_array_task_per_job_with_the_flags(tmp_path, mon
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     output = str(tmp_path / "sweep")
     jobs = jobs_for(output, algorithms=["erm"], test_envs=["0"], trial_seeds=[0, 1])[:3]
-    executor = sweep.make_executor(
+    executor = launchers.make_executor(
         output,
         "slurm",
         partition="gpu",
@@ -425,7 +434,7 @@ def test_slurm_submission_is_one_array_task_per_job_with_the_flags(tmp_path, mon
         time_min=90,
         array_parallelism=2,
     )
-    tasks = sweep.submit(jobs, output, executor, log=lambda _: None)
+    tasks = launchers.submit(jobs, output, executor, log=lambda _: None)
     assert [task.job_id for task in tasks] == ["4242_0", "4242_1", "4242_2"]
     script = (tmp_path / "script.sh").read_text()
     for line in (
@@ -435,15 +444,15 @@ def test_slurm_submission_is_one_array_task_per_job_with_the_flags(tmp_path, mon
         "#SBATCH --gpus-per-node=2",
         "#SBATCH --time=90",
         "#SBATCH --signal=USR2@120",
-        f"export PYTHONPATH={REPO}",
     ):
         assert line in script, line
+    assert "PYTHONPATH" not in script  # the task unpickles from the installed package
 
 
 def test_slurm_launcher_off_a_cluster_says_so(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no srun
     argv = ["launch", "--datasets", "PACS", "--algorithms", "erm", "--test_envs", "0"]
-    assert sweep.main(argv + ["--output_dir", str(tmp_path), "--launcher", "slurm"]) == 2
+    assert sweep_main(argv + ["--output_dir", str(tmp_path), "--launcher", "slurm"]) == 2
     assert "--launcher slurm" in capsys.readouterr().err
 
 
@@ -452,7 +461,7 @@ def test_gsam_sweeps_its_own_alpha_and_sagm_its_own(tmp_path):
     jobs = jobs_for(tmp_path, algorithms=["gsam", "sagm", "erm_sam"], test_envs=["0"], grid=grid)
     keys = {
         algorithm: [
-            sorted(set(j.args) - set(sweep.SWEEP_KEYS))
+            sorted(set(j.args) - set(sweep_jobs.SWEEP_KEYS))
             for j in jobs
             if j.args["algorithm"] == algorithm
         ]
@@ -467,10 +476,26 @@ def test_sweep_takes_its_names_from_the_registries():
     from sagm_jax.data import registry
     from sagm_jax.optimizers import ALGORITHMS
 
-    assert sweep.ALGORITHMS is ALGORITHMS
-    assert sweep.CONFIG_FILES == {
+    assert sweep_jobs.ALGORITHMS is ALGORITHMS
+    assert sweep_jobs.CONFIG_FILES == {
         name: path for name, path in registry.CONFIG_FILES.items() if name != "ImageFolder"
     }
-    assert {sweep.num_environments(n) for n in ("RotatedMNIST", "RotatedDigits")} == {6}
-    assert sweep.num_environments("ColoredMNIST") == 3 and sweep.num_environments("PACS") == 4
+    assert {sweep_jobs.num_environments(n) for n in ("RotatedMNIST", "RotatedDigits")} == {6}
+    assert sweep_jobs.num_environments("ColoredMNIST") == 3
+    assert sweep_jobs.num_environments("PACS") == 4
 
+
+
+def test_the_command_runs_from_anywhere_as_a_module(tmp_path):
+    """``python -m sagm_jax.sweep`` from another folder, without PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run(
+        [sys.executable, "-m", "sagm_jax.sweep", "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: python -m sagm_jax.sweep")
+    assert "{launch,status,delete_incomplete}" in out.stdout

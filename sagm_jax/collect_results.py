@@ -1,7 +1,7 @@
-"""Results tables of a sweep: reads every ``results.jsonl`` under a folder, selects
-models (``sagm_jax.selection``) and prints the paper's tables in Markdown or LaTeX.
+"""Results tables of a sweep: reads every run under a folder (``rundir.find_runs``),
+selects models (``sagm_jax.selection``) and prints the paper's tables in Markdown or LaTeX.
 
-    python experiments/collect_results.py --input_dir sweeps/digits \
+    python -m sagm_jax.collect_results --input_dir sweeps/digits \
         [--selection training_domain|leave_one_out|oracle_last|oracle_best] \
         [--latex] [--pm +/-] [--output FILE]
 
@@ -9,7 +9,9 @@ Records written by DomainBed's ``train.py`` (no ``config``; ``args.hparams_seed`
 read too, so our sweeps and DomainBed's published ones can share a table: their
 method is ``args.algorithm`` + " (DomainBed)", their hyperparameter setting is
 ``args.hparams_seed``, and a DomainBed run counts as finished when it has ``done``
-or its last record is step ``args.steps - 1`` (5000 when ``steps`` is unset).
+or its last record is step ``args.steps - 1`` (5000 when ``steps`` is unset). A run
+killed while it wrote a record keeps its records but the torn last line (dropped with
+a warning, as a resumed run drops it); without ``done`` it is listed as incomplete.
 
 Grouping (DomainBed's ``reporting.get_grouped_records``): a run's records join the
 group (split, dataset, method, trial_seed, t) for each of its test environments t.
@@ -45,9 +47,9 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from sagm_jax import selection  # noqa: E402
-from sagm_jax.data.registry import PAPER_DATASETS  # noqa: E402  (the tables' columns)
+from sagm_jax import rundir, selection
+from sagm_jax.data.registry import PAPER_DATASETS  # the tables' columns
+from sagm_jax.sweep.jobs import ARGS
 
 # The tables' names of sagm_jax.optimizers.ALGORITHMS (a test checks that they name
 # exactly those), in the order of the paper's rows.
@@ -67,46 +69,47 @@ DOMAINBED_STEPS = 5001  # DomainBed's N_STEPS when a run leaves --steps unset
 PLUS_MINUS = ("±", "+/-")  # ours; DomainBed's collect_results
 
 
-Run = collections.namedtuple("Run", "path done records")
+Run = collections.namedtuple("Run", "path done records")  # path relative to the input
 
 
 def load_runs(input_dir: str) -> tuple[list[Run], list[str]]:
-    """Every run under ``input_dir`` (a folder holding ``results.jsonl``), and the job
-    folders that have an ``args.json`` but no records yet (never started)."""
+    """Every run under ``input_dir`` with records, and the job folders without records
+    (a sweep's job that never started, or a run that has not evaluated yet)."""
     if not os.path.isdir(input_dir):
         raise FileNotFoundError(f"--input_dir {input_dir}: no such directory.")
-    runs, not_started = [], []
-    for folder, _, files in sorted(os.walk(input_dir)):
-        if "results.jsonl" in files:
-            path = os.path.join(folder, "results.jsonl")
-            with open(path) as f:
-                try:
-                    records = [json.loads(line) for line in f if line.strip()]
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"{path}: not JSON lines ({error}).") from None
-            for record in records:
-                if "args" not in record or not (
-                    "config" in record or "hparams_seed" in record["args"]
-                ):
-                    raise ValueError(
-                        f"{path}: a record has neither 'config' (written by sagm_jax.train) "
-                        "nor 'args.hparams_seed' (written by DomainBed's train.py); expected "
-                        "records of one of them."
-                    )
-            if records:
-                done = "done" in files or (
-                    is_domainbed(records[0])
-                    and max(r["step"] for r in records)
-                    == (records[0]["args"].get("steps") or DOMAINBED_STEPS) - 1
-                )
-                runs.append(Run(os.path.relpath(folder, input_dir), done, records))
-            else:
-                not_started.append(os.path.relpath(folder, input_dir))
-        elif "args.json" in files:
-            not_started.append(os.path.relpath(folder, input_dir))
+    found = rundir.find_runs(input_dir)
+    runs, without_records = [], []
+    for run in found:
+        _check_records(run)
+        path = os.path.relpath(run.path, input_dir)
+        if run.records:
+            runs.append(Run(path, run.done or domainbed_finished(run.records), run.records))
+        else:
+            without_records.append(path)
+    run_folders = {os.path.normpath(run.path) for run in found}
+    for folder, _, files in os.walk(input_dir):
+        if ARGS in files and os.path.normpath(folder) not in run_folders:
+            without_records.append(os.path.relpath(folder, input_dir))
     if not runs:
         raise ValueError(f"--input_dir {input_dir}: no results.jsonl with records under it.")
-    return runs, not_started
+    return runs, sorted(without_records)
+
+
+def _check_records(run: rundir.Run) -> None:
+    for record in run.records:
+        if "args" not in record or not ("config" in record or "hparams_seed" in record["args"]):
+            raise ValueError(
+                f"{os.path.join(run.path, rundir.RESULTS)}: a record has neither 'config' "
+                "(written by sagm_jax.train) nor 'args.hparams_seed' (written by "
+                "DomainBed's train.py); expected records of one of them."
+            )
+
+
+def domainbed_finished(records: list[dict]) -> bool:
+    """A DomainBed run without ``done`` finished when its last record is its last step."""
+    return is_domainbed(records[0]) and max(r["step"] for r in records) == (
+        records[0]["args"].get("steps") or DOMAINBED_STEPS
+    ) - 1
 
 
 def is_domainbed(record: dict) -> bool:
@@ -316,116 +319,80 @@ def env_labels(runs: list[Run], input_dir: str) -> dict:
     labels = {}
     for run in runs:
         dataset = run.records[0]["args"]["dataset"]
-        info_path = os.path.join(input_dir, run.path, "run_info.json")
-        if dataset not in labels and os.path.exists(info_path):
-            with open(info_path) as f:
-                labels[dataset] = json.load(f).get("env_names")
+        folder = os.path.join(input_dir, run.path)
+        if dataset not in labels and os.path.exists(os.path.join(folder, rundir.RUN_INFO)):
+            labels[dataset] = rundir.read_run_info(folder).get("env_names")
     return {d: names for d, names in labels.items() if names}
 
 
-def build_report(
-    input_dir: str,
-    selection_name: str = "training_domain",
-    latex: bool = False,
-    pm: str = PLUS_MINUS[0],
-) -> str:
-    """The whole report (tables and notes) as one string; ``pm``: "±", or "+/-" as
-    DomainBed prints (LaTeX always uses $\\pm$)."""
-    if pm not in PLUS_MINUS:
-        raise ValueError(f"--pm {pm!r}: expected one of {', '.join(PLUS_MINUS)}.")
-    if selection_name not in selection.RUN_SELECTIONS:
-        raise ValueError(
-            f"--selection {selection_name!r}: expected one of "
-            f"{', '.join(selection.RUN_SELECTIONS)}."
-        )
-    runs, not_started = load_runs(input_dir)
-    finished = [r for r in runs if r.done]
-    incomplete = sorted(r.path for r in runs if not r.done)
-    if not finished:
-        raise ValueError(
-            f"--input_dir {input_dir}: no finished run (no 'done' file); "
-            f"incomplete: {', '.join(incomplete)}."
-        )
-    groups = group_runs(finished)
-    chosen = select(groups, selection_name)
-    ood, in_domain = Sweep(chosen, groups, "domainbed"), Sweep(chosen, groups, "in_domain")
-    labels = env_labels(finished, input_dir)
-    name = selection.SELECTION_NAMES[selection_name]
-    out = []
+# --- Tables --------------------------------------------------------------------
 
-    def comparison_table(title, methods):
-        header = ["Algorithm", *ood.datasets, "Avg"]
-        rows = []
-        for method in methods:
-            cells = [ood.dataset_cell(d, method) for d in ood.datasets]
-            rows.append(
-                [method, *[format_cell(c, latex, pm) for c in cells], format_average(cells, latex)]
-            )
-        out.append(render_table(title, header, rows, latex))
 
-    if ood.datasets:
-        comparison_table(
-            f"Table 1: out-of-domain accuracy (%), model selection: {name}", ood.methods
+def comparison_table(title: str, ood: Sweep, methods, latex: bool, pm: str) -> str:
+    """Rows = ``methods``, columns = datasets (each its per-seed mean over test
+    environments) and their average: Tables 1 and 3."""
+    rows = []
+    for method in methods:
+        cells = [ood.dataset_cell(d, method) for d in ood.datasets]
+        rows.append(
+            [method, *[format_cell(c, latex, pm) for c in cells], format_average(cells, latex)]
         )
-        for dataset in ood.datasets:
-            names = labels.get(dataset)
-            header = [
-                "Algorithm",
-                *[names[e] if names else f"env{e}" for e in ood.test_envs[dataset]],
-                "Avg",
-            ]
-            rows = [
-                [
-                    m,
-                    *[
-                        format_cell(ood.env_cell(dataset, m, e), latex, pm)
-                        for e in ood.test_envs[dataset]
-                    ],
-                    format_cell(ood.dataset_cell(dataset, m), latex, pm),
-                ]
-                for m in ood.methods
-            ]
-            out.append(
-                render_table(
-                    f"{dataset}: accuracy (%) per test environment, model selection: {name}",
-                    header,
-                    rows,
-                    latex,
-                )
-            )
-    if in_domain.datasets:
-        header, rows = ["Algorithm"], []
+    return render_table(title, ["Algorithm", *ood.datasets, "Avg"], rows, latex)
+
+
+def table_1(ood: Sweep, name: str, latex: bool, pm: str) -> str:
+    title = f"Table 1: out-of-domain accuracy (%), model selection: {name}"
+    return comparison_table(title, ood, ood.methods, latex, pm)
+
+
+def dataset_table(ood: Sweep, dataset: str, env_names, name: str, latex: bool, pm: str) -> str:
+    """One dataset: a column per test environment, then the dataset's entry."""
+    envs = ood.test_envs[dataset]
+    header = ["Algorithm", *[env_names[e] if env_names else f"env{e}" for e in envs], "Avg"]
+    rows = [
+        [
+            method,
+            *[format_cell(ood.env_cell(dataset, method, e), latex, pm) for e in envs],
+            format_cell(ood.dataset_cell(dataset, method), latex, pm),
+        ]
+        for method in ood.methods
+    ]
+    title = f"{dataset}: accuracy (%) per test environment, model selection: {name}"
+    return render_table(title, header, rows, latex)
+
+
+def table_2(in_domain: Sweep, ood: Sweep, name: str, latex: bool, pm: str) -> str:
+    """In-domain next to out-of-domain accuracy, for each dataset with in-domain runs."""
+    header, rows = ["Algorithm"], []
+    for dataset in in_domain.datasets:
+        header += [f"{dataset} in-domain", f"{dataset} out-of-domain"]
+    for method in sorted(set(in_domain.methods) | set(ood.methods), key=method_order):
+        row = [method]
         for dataset in in_domain.datasets:
-            header += [f"{dataset} in-domain", f"{dataset} out-of-domain"]
-        for method in sorted(set(in_domain.methods) | set(ood.methods), key=method_order):
-            row = [method]
-            for dataset in in_domain.datasets:
-                row += [
-                    format_cell(in_domain.dataset_cell(dataset, method), latex, pm),
-                    format_cell(
-                        ood.dataset_cell(dataset, method) if dataset in ood.seeds else None,
-                        latex,
-                        pm,
-                    ),
-                ]
-            rows.append(row)
-        out.append(
-            render_table(
-                "Table 2: in-domain (60/20/20 split, training-domain validation) vs out-of-domain "
-                f"accuracy (%), out-of-domain model selection: {name}",
-                header,
-                rows,
-                latex,
-            )
-        )
-    if ood.datasets:
-        ablation = [ALGORITHM_NAMES[a] for a in ABLATION_ALGORITHMS]
-        ablation += [m for m in ood.methods if m.endswith(MIXSTYLE)]
-        comparison_table(
-            f"Table 3: ablation, out-of-domain accuracy (%), model selection: {name}",
-            sorted(ablation, key=method_order),
-        )
+            out = ood.dataset_cell(dataset, method) if dataset in ood.seeds else None
+            row += [
+                format_cell(in_domain.dataset_cell(dataset, method), latex, pm),
+                format_cell(out, latex, pm),
+            ]
+        rows.append(row)
+    title = (
+        "Table 2: in-domain (60/20/20 split, training-domain validation) vs out-of-domain "
+        f"accuracy (%), out-of-domain model selection: {name}"
+    )
+    return render_table(title, header, rows, latex)
 
+
+def table_3(ood: Sweep, name: str, latex: bool, pm: str) -> str:
+    """The ablation rows, with the MixStyle variants of the sweep."""
+    ablation = [ALGORITHM_NAMES[a] for a in ABLATION_ALGORITHMS]
+    ablation += [m for m in ood.methods if m.endswith(MIXSTYLE)]
+    title = f"Table 3: ablation, out-of-domain accuracy (%), model selection: {name}"
+    return comparison_table(title, ood, sorted(ablation, key=method_order), latex, pm)
+
+
+def report_notes(name, pm, finished, sweeps, incomplete, not_started) -> list[str]:
+    """What the cells mean, test environments missing from a dataset, and the runs
+    left out."""
     notes = [
         f"Model selection: {name}. Cells: mean {pm} standard error over trial seeds, "
         "s.e. = np.std(x, ddof=0) / sqrt(n) (DomainBed's); a dataset's entry averages "
@@ -438,7 +405,7 @@ def build_report(
         )
         for r in finished
     }
-    for sweep, kind in ((ood, "out-of-domain"), (in_domain, "in-domain")):
+    for sweep, kind in zip(sweeps, ("out-of-domain", "in-domain")):
         for dataset in sweep.datasets:
             if len(sweep.test_envs[dataset]) < n_envs[dataset]:
                 notes.append(
@@ -449,6 +416,50 @@ def build_report(
         notes.append("Incomplete runs (no 'done'; left out): " + ", ".join(incomplete) + ".")
     if not_started:
         notes.append("Jobs without records (not started): " + ", ".join(sorted(not_started)) + ".")
+    return notes
+
+
+def check_options(selection_name: str, pm: str) -> None:
+    if pm not in PLUS_MINUS:
+        raise ValueError(f"--pm {pm!r}: expected one of {', '.join(PLUS_MINUS)}.")
+    if selection_name not in selection.RUN_SELECTIONS:
+        raise ValueError(
+            f"--selection {selection_name!r}: expected one of "
+            f"{', '.join(selection.RUN_SELECTIONS)}."
+        )
+
+
+def build_report(
+    input_dir: str,
+    selection_name: str = "training_domain",
+    latex: bool = False,
+    pm: str = PLUS_MINUS[0],
+) -> str:
+    """The whole report (tables and notes) as one string; ``pm``: "±", or "+/-" as
+    DomainBed prints (LaTeX always uses $\\pm$)."""
+    check_options(selection_name, pm)
+    runs, not_started = load_runs(input_dir)
+    finished = [r for r in runs if r.done]
+    incomplete = sorted(r.path for r in runs if not r.done)
+    if not finished:
+        raise ValueError(
+            f"--input_dir {input_dir}: no finished run (no 'done' file); "
+            f"incomplete: {', '.join(incomplete)}."
+        )
+    groups = group_runs(finished)
+    chosen = select(groups, selection_name)
+    ood, in_domain = Sweep(chosen, groups, "domainbed"), Sweep(chosen, groups, "in_domain")
+    name = selection.SELECTION_NAMES[selection_name]
+    out = []
+    if ood.datasets:
+        labels = env_labels(finished, input_dir)
+        out.append(table_1(ood, name, latex, pm))
+        out += [dataset_table(ood, d, labels.get(d), name, latex, pm) for d in ood.datasets]
+    if in_domain.datasets:
+        out.append(table_2(in_domain, ood, name, latex, pm))
+    if ood.datasets:
+        out.append(table_3(ood, name, latex, pm))
+    notes = report_notes(name, pm, finished, (ood, in_domain), incomplete, not_started)
     if latex:
         out += ["% " + latex_escape(n).replace(pm, "$\\pm$") for n in notes]
     else:
@@ -457,7 +468,9 @@ def build_report(
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m sagm_jax.collect_results", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--input_dir", required=True, help="A sweep's output folder.")
     parser.add_argument(
         "--selection",

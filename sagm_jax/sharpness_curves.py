@@ -1,9 +1,9 @@
 """Local sharpness curves (the paper's Figure 3) from the checkpoints of finished runs.
 
-    python experiments/sharpness.py --input_dir sweeps/rotated_digits \
+    python -m sagm_jax.sharpness_curves --input_dir sweeps/rotated_digits \
         --output_dir docs/study [--rhos 0,0.01,0.02,0.05,0.1,0.2] [--checkpoint latest]
 
-For every finished run under ``input_dir`` (a ``done`` file and ``config.json``),
+For every finished run under ``input_dir`` (``rundir.find_runs``: ``done`` and ``config.json``),
 the run's parameters are restored (``sagm_jax.load_run``: latest or best) and
 ``sagm_jax.sharpness`` measures, on its TARGET domain ``D`` (every example of the
 run's test environment, "in" and "out" splits together, no augmentation, eval mode)::
@@ -22,18 +22,15 @@ import json
 import os
 import sys
 
-import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import sagm_jax  # noqa: E402
-import sagm_jax.data  # noqa: E402
-from sagm_jax import train  # noqa: E402
-from sagm_jax.cli import quiet_tensorflow_import  # noqa: E402
-from sagm_jax.train_step import apply_model, per_example_cross_entropy  # noqa: E402
+import sagm_jax.data
+from sagm_jax import rundir, train
+from sagm_jax.cli import quiet_tensorflow_import
+from sagm_jax.sharpness import sharpness
+from sagm_jax.train_step import apply_model, per_example_cross_entropy
 
 DEFAULT_RHOS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2)
 
@@ -41,11 +38,11 @@ DEFAULT_RHOS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2)
 def finished_runs(input_dir: str) -> list[str]:
     if not os.path.isdir(input_dir):
         raise FileNotFoundError(f"--input_dir {input_dir!r} is not a directory.")
-    runs = sorted(
-        root
-        for root, _, files in os.walk(input_dir)
-        if train.DONE in files and "config.json" in files
-    )
+    runs = [
+        run.path
+        for run in rundir.find_runs(input_dir)
+        if run.done and os.path.exists(os.path.join(run.path, rundir.CONFIG))
+    ]
     if not runs:
         raise FileNotFoundError(
             f"No finished run (a 'done' file beside config.json) under {input_dir}."
@@ -56,8 +53,7 @@ def finished_runs(input_dir: str) -> list[str]:
 def restore_run(workdir: str, checkpoint: str):
     """The run's config, dataset, model, variables and the step of its checkpoint
     (``train.load_run``: the optimizer is not rebuilt, so per-device runs load too)."""
-    with open(os.path.join(workdir, "config.json")) as f:
-        config = ml_collections.ConfigDict(json.load(f))
+    config = ml_collections.ConfigDict(rundir.read_config(workdir))
     model, variables, record = train.load_run(workdir, which=checkpoint)
     return config, sagm_jax.data.from_config(config), model, variables, record["step"]
 
@@ -85,7 +81,7 @@ def run_sharpness(workdir: str, rhos, checkpoint: str = "latest") -> list[dict]:
 
     entries = []
     for env in config.test_envs:
-        result = sagm_jax.sharpness(
+        result = sharpness(
             loss_fn, variables["params"], TargetDomain(dataset, env, config.eval_batch_size), rhos
         )
         entries.append(
@@ -146,7 +142,9 @@ def plot(entries: list[dict], path: str) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m sagm_jax.sharpness_curves", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--input_dir", required=True)
     parser.add_argument("--output_dir", required=True)
     parser.add_argument(

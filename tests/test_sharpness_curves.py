@@ -1,4 +1,4 @@
-"""experiments/sharpness.py on a real tiny run: restored checkpoint, target domain, figure."""
+"""sagm_jax.sharpness_curves on a real tiny run: restored checkpoint, target domain, figure."""
 
 import json
 import os
@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from experiments import sharpness as sharpness_script
+from sagm_jax import sharpness_curves
 from sagm_jax import train
 from sagm_jax.config import mnist_config
 
@@ -35,7 +35,7 @@ def test_sharpness_curves_of_a_finished_run(tmp_path, perturbation):
     train.train_and_evaluate(config, str(run_dir))
     rhos = [0.0, 0.05, 0.5]
     assert (
-        sharpness_script.main(
+        sharpness_curves.main(
             [
                 "--input_dir",
                 str(tmp_path / "sweep"),
@@ -54,12 +54,12 @@ def test_sharpness_curves_of_a_finished_run(tmp_path, perturbation):
     assert os.path.getsize(tmp_path / "out" / "sharpness.png") > 10_000
 
     # Independently: full-batch loss of the whole target domain at w and at w + rho g/|g|.
-    _, dataset, model, variables, step = sharpness_script.restore_run(str(run_dir), "latest")
+    _, dataset, model, variables, step = sharpness_curves.restore_run(str(run_dir), "latest")
     params = variables["params"]
     assert step == 2
     env = 2
-    images = np.asarray(dataset.arrays.images[env], np.float32)
-    labels = np.asarray(dataset.arrays.labels[env], np.int32)
+    images = np.asarray(dataset.source.images[env], np.float32)
+    labels = np.asarray(dataset.source.labels[env], np.int32)
 
     def loss(params):
         logits = model.apply({"params": params}, images, train=False)
@@ -73,3 +73,15 @@ def test_sharpness_curves_of_a_finished_run(tmp_path, perturbation):
         entry["sharpness"][2], float(loss(shifted) - clean), rtol=1e-3, atol=1e-5
     )
     assert entry["sharpness"][2] > entry["sharpness"][1] > 0
+
+
+def test_only_finished_runs_are_measured(tmp_path):
+    for name, files in (("done", ("config.json", "done")), ("running", ("config.json",))):
+        os.makedirs(tmp_path / name)
+        for file in files:
+            (tmp_path / name / file).write_text("{}")
+    assert sharpness_curves.finished_runs(str(tmp_path)) == [str(tmp_path / "done")]
+    with pytest.raises(FileNotFoundError, match="No finished run"):
+        sharpness_curves.finished_runs(str(tmp_path / "running"))
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        sharpness_curves.finished_runs(str(tmp_path / "nowhere"))

@@ -18,15 +18,15 @@ def test_rotated_digits_shapes_labels_envs():
     digits = load_digits()
     perm = np.random.RandomState(0).permutation(1797)
     for i in range(6):
-        np.testing.assert_array_equal(ds.arrays.labels[i], digits.target[perm][i::6])
-        x = ds.arrays.images[i]
+        np.testing.assert_array_equal(ds.source.labels[i], digits.target[perm][i::6])
+        x = ds.source.images[i]
         assert x.dtype == np.float32 and x.min() >= 0 and x.max() <= 1
     # Environment 0 is unrotated: the upsampled digits themselves.
     first = np.round(digits.images[perm[0]] * 255 / 16).astype(np.uint8)
     up = np.asarray(Image.fromarray(first).resize((28, 28), Image.BILINEAR)) / 255.0
-    np.testing.assert_allclose(ds.arrays.images[0][0, ..., 0], up, atol=1e-6)
+    np.testing.assert_allclose(ds.source.images[0][0, ..., 0], up, atol=1e-6)
     # A rotated environment is rotated: its mass moves, but not its total much.
-    assert not np.allclose(ds.arrays.images[3][0], up[..., None])
+    assert not np.allclose(ds.source.images[3][0], up[..., None])
     # Splits are DomainBed's rule on each environment.
     for i, parts in enumerate(ds.splits):
         assert sorted(parts["out"]) == sorted(data.holdout_split(ds.env_sizes[i], 0, i)["out"])
@@ -55,8 +55,8 @@ def test_rotated_mnist_on_mock_data(mock_mnist):
     raw, labels = mnist.load_mnist_uint8(None)
     perm = np.random.RandomState(0).permutation(len(raw))
     for i in range(6):
-        np.testing.assert_array_equal(ds.arrays.labels[i], labels[perm][i::6])
-    np.testing.assert_allclose(ds.arrays.images[0][..., 0], raw[perm][0::6] / 255.0, atol=1e-6)
+        np.testing.assert_array_equal(ds.source.labels[i], labels[perm][i::6])
+    np.testing.assert_allclose(ds.source.images[0][..., 0], raw[perm][0::6] / 255.0, atol=1e-6)
 
 
 def test_colored_mnist_on_mock_data(mock_mnist):
@@ -66,7 +66,7 @@ def test_colored_mnist_on_mock_data(mock_mnist):
     raw, digits = mnist.load_mnist_uint8(None)
     perm = np.random.RandomState(0).permutation(len(raw))
     for i, flip_prob in enumerate((0.1, 0.2, 0.9)):
-        x, y = ds.arrays.images[i], ds.arrays.labels[i]
+        x, y = ds.source.images[i], ds.source.labels[i]
         d = digits[perm][i::3]
         label_flip = np.mean(y != (d < 5))
         assert abs(label_flip - 0.25) < 0.1  # 400 examples: s.e. about 0.022

@@ -1,19 +1,22 @@
-"""collect_results and the sweep-level selection functions.
+"""sagm_jax.collect_results and the sweep-level selection functions.
 
 Hand-computed cases check each selection rule; the golden files freeze the whole
 report of a synthetic sweep (``golden_records.json``, see make_golden_records.py).
 Regenerate the goldens after an intended change with
-``UPDATE_GOLDEN=1 pytest tests/experiments/test_collect_results.py``.
+``UPDATE_GOLDEN=1 pytest tests/collect_results/test_collect_results.py``.
 """
 
 import json
 import os
+import shutil
+import subprocess
+import sys
+import warnings
 
 import numpy as np
 import pytest
 
-from experiments import collect_results
-from sagm_jax import selection
+from sagm_jax import collect_results, selection
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GOLDEN = {  # (selection, latex) -> golden file
@@ -280,8 +283,8 @@ def test_bad_input_names_the_problem(tmp_path):
     assert collect_results.main(["--input_dir", str(tmp_path / "nowhere")]) == 2
     bad = tmp_path / "bad" / "run"
     bad.mkdir(parents=True)
-    (bad / "results.jsonl").write_text("{not json\n")
-    with pytest.raises(ValueError, match="results.jsonl: not JSON lines"):
+    (bad / "results.jsonl").write_text('{"step": 0}\n{not json\n{"step": 1}\n')
+    with pytest.raises(ValueError, match="results.jsonl, line 2: not a JSON record"):
         collect_results.build_report(str(tmp_path / "bad"))
 
 
@@ -293,3 +296,44 @@ def test_the_tables_name_exactly_the_registered_algorithms_and_datasets():
     assert collect_results.ALGORITHM_ORDER == tuple(collect_results.ALGORITHM_NAMES)
     assert set(collect_results.ABLATION_ALGORITHMS) <= set(ALGORITHMS)
     assert collect_results.PAPER_DATASETS is registry.PAPER_DATASETS
+
+
+def test_a_run_killed_mid_record_is_listed_incomplete_and_the_finished_runs_make_the_table(
+    tmp_path,
+):
+    """A kill tore the last line of one unfinished run's results.jsonl: the shared reader
+    drops that line with a warning, the run is listed as incomplete, and the finished
+    runs make the same tables as without it."""
+    root = tmp_path / "sweep"
+    write_sweep(str(root))
+    finished = root / "PACS" / "PACS_domainbed_erm_t0_s0_lr1e-05"
+    first = (finished / "results.jsonl").read_text().splitlines(keepends=True)[0]
+    torn = root / "PACS" / "killed_run"
+    torn.mkdir()
+    (torn / "results.jsonl").write_text(first + first[: len(first) // 2])  # cut short
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = collect_results.build_report(str(root), "training_domain")
+    assert any("killed_run" in str(w.message) and "torn" in str(w.message) for w in caught)
+    assert "killed_run" in report.split("Incomplete runs")[1]
+    shutil.rmtree(torn)
+    without = collect_results.build_report(str(root), "training_domain")
+    assert report.split("Notes:")[0] == without.split("Notes:")[0]
+
+
+def test_the_command_runs_from_anywhere_as_a_module(tmp_path):
+    """``python -m sagm_jax.collect_results`` from another folder, without PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    command = [sys.executable, "-m", "sagm_jax.collect_results"]
+    out = subprocess.run([*command, "--help"], cwd=tmp_path, env=env, capture_output=True)
+    assert out.returncode == 0 and b"--input_dir" in out.stdout, out.stderr
+    write_sweep(str(tmp_path / "sweep"))
+    out = subprocess.run(
+        [*command, "--input_dir", "sweep", "--pm", "+/-"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == collect_results.build_report(str(tmp_path / "sweep"), pm="+/-")

@@ -32,8 +32,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from experiments import collect_results, sweep
-from sagm_jax import train
+from sagm_jax import collect_results, rundir
+from sagm_jax.sweep import jobs as sweep_jobs, launchers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # DomainBed's datasets and their number of environments (datasets.num_environments).
@@ -359,9 +359,9 @@ def test_hparams_seed_names_the_setting_not_the_test_env_or_seed():
     config = {"lr": 1e-5, "test_envs": [0], "all_test_envs": False, "trial_seed": 0, "seed": 0}
     same = {**config, "test_envs": [0, 1], "trial_seed": 2, "seed": 2}
     other = {**config, "lr": 3e-5}
-    assert train.hparams_seed(config) == train.hparams_seed(same)
-    assert train.hparams_seed(config) != train.hparams_seed(other)
-    assert 0 <= train.hparams_seed(config) < 2**31
+    assert rundir.hparams_seed(config) == rundir.hparams_seed(same)
+    assert rundir.hparams_seed(config) != rundir.hparams_seed(other)
+    assert 0 <= rundir.hparams_seed(config) < 2**31
 
 
 def write_pacs_tree(root, n=2):
@@ -401,18 +401,18 @@ def test_domainbeds_reader_prints_tables_from_our_sweep(tmp_path, monkeypatch):
         "cache_dir": str(tmp_path / "cache"),
     }
     output = str(tmp_path / "sweep")
-    jobs = sweep.make_jobs(["PACS"], ["erm"], ["0"], [0], {"lr": [1e-3, 1e-2]}, fixed, output)
-    result = sweep.launch(jobs, log=lambda _: None)
+    jobs = sweep_jobs.make_jobs(["PACS"], ["erm"], ["0"], [0], {"lr": [1e-3, 1e-2]}, fixed, output)
+    result = launchers.launch(jobs, log=lambda _: None)
     errors = [open(os.path.join(j.directory, "err.txt")).read()[-2000:] for j in jobs]
     assert len(result["finished"]) == 2, errors
     records = load_records(output)
     assert all("hparams_seed" in r["args"] for r in records), (
-        "sagm_jax.train.run must write args.hparams_seed = hparams_seed(config_dict)"
+        "every record must hold args.hparams_seed = rundir.hparams_seed(config_dict)"
     )
     seeds = {r["args"]["hparams_seed"] for r in records}
     assert len(seeds) == 2  # one per setting
     for r in records:
-        assert r["args"]["hparams_seed"] == train.hparams_seed(r["config"])
+        assert r["args"]["hparams_seed"] == rundir.hparams_seed(r["config"])
     ours = collect_results.select(
         collect_results.group_runs(collect_results.load_runs(output)[0]), "training_domain"
     )

@@ -1,4 +1,5 @@
-"""Each kind of bad input gets its own clear error; skip_bad_files counts the skips."""
+"""Reading and checking an image folder (``sagm_jax.data.image_folder``): each kind of bad
+input gets its own clear error; skip_bad_files counts the skips; the caches' one root."""
 
 import logging
 import os
@@ -19,14 +20,6 @@ def tree(tmp_path):
 
 def load(root, tmp_path, **kw):
     return data.load("ImageFolder", root, trial_seed=0, cache_dir=str(tmp_path / "cache"), **kw)
-
-
-def test_missing_data_dir_explains_layout_and_download(tmp_path):
-    with pytest.raises(data.DatasetNotFoundError) as err:
-        data.load("PACS", str(tmp_path / "nowhere"), trial_seed=0)
-    msg = str(err.value)
-    assert "PACS/<domain>/<class>/<image>" in msg and "art_painting" in msg
-    assert "domainbed/scripts/download.py" in msg and "9,991" in msg
 
 
 def test_missing_dataset_folder_names_it(tmp_path):
@@ -105,8 +98,14 @@ def test_check_result_cached_but_changed_file_rechecked(tree, tmp_path):
         load(tree, tmp_path)
 
 
-def test_wrong_domains_for_a_named_dataset(tree, tmp_path):
-    os.makedirs(tmp_path / "d")
-    shutil.copytree(tree, tmp_path / "d" / "PACS")
-    with pytest.raises(data.DatasetLayoutError, match="classes, expected 7"):
-        data.load("PACS", str(tmp_path / "d"), trial_seed=0, cache_dir=None)
+def test_every_cache_lives_under_one_root(tree, tmp_path, monkeypatch):
+    """The decode checks and the decoded stores: under $SAGM_JAX_CACHE, or the root given."""
+    monkeypatch.setenv("SAGM_JAX_CACHE", str(tmp_path / "env_root"))
+    assert data.cache_folder("stores") == str(tmp_path / "env_root" / "stores")
+    assert data.cache_folder("verified", str(tmp_path / "given")) == str(
+        tmp_path / "given" / "verified"
+    )
+    ds = data.load("ImageFolder", tree, trial_seed=0)  # the default check cache
+    assert len(os.listdir(tmp_path / "env_root" / "verified")) == 1
+    data.open_source(ds.folder, image_size=8, mode="cache", workers=1, progress=False)
+    assert len(os.listdir(tmp_path / "env_root" / "stores")) == 1

@@ -1,0 +1,201 @@
+"""The sweep's command line: a grid of ``python -m sagm_jax.main`` jobs, run exactly once each.
+
+    python -m sagm_jax.sweep launch --datasets RotatedDigits \\
+        --algorithms erm sam gsam sagm --test_envs all --trial_seeds 0 1 2 \\
+        --output_dir sweeps/digits --jobs 2 [--hparams paper|reduced] \\
+        [--grid lr=1e-5,3e-5] [--set steps=301 --set eval_every=50 ...] [--gpus 0,1] [--dry_run]
+    python -m sagm_jax.sweep launch ...same grid... --launcher slurm --partition gpu \\
+        --gpus_per_job 1 --time_min 240 [--account A] [--array_parallelism 64]
+    python -m sagm_jax.sweep status ...same grid arguments...
+    python -m sagm_jax.sweep delete_incomplete ...same grid arguments... [--yes]
+
+The grid (``sagm_jax.sweep.jobs``): each dataset's config file, every algorithm, test
+environment set, trial seed and point of ``--hparams`` / ``--grid``, with every
+``--set``. Test environments: ``all`` (each environment alone), ``all_with_pairs``
+(each alone and every pair, as DomainBed's sweep; leave-one-domain-out selection needs
+the pairs), or explicit sets such as ``0 1 0,1``. ``--set`` and ``--grid`` may be
+repeated; each adds keys. Jobs run from the repository (config files are relative to it).
+
+The launchers (``sagm_jax.sweep.launchers``): ``--launcher local`` (default) runs
+``--jobs N`` at a time, or one per GPU with ``--gpus 0,1,...``; ``--launcher slurm``
+submits one SLURM array task per job through submitit (``--partition``,
+``--gpus_per_job``, ``--time_min``, ...), requeued on preemption or at the time limit;
+``--launcher submitit_local`` is the same path on this machine (submitit's local
+executor). A job's output goes to ``out.txt`` / ``err.txt`` in its directory; a
+failing job does not stop the others and is reported at the end (exit status 1).
+``status`` lists every job with its last evaluated step, and the folders that are not
+jobs of the grid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from sagm_jax.sweep import jobs as jobs_lib, launchers
+from sagm_jax.sweep.jobs import INCOMPLETE, PRESETS
+
+# The --launcher slurm / submitit_local flags: make_executor's keyword arguments.
+CLUSTER_OPTIONS = (
+    "partition",
+    "account",
+    "gpus_per_job",
+    "cpus_per_job",
+    "mem_gb",
+    "time_min",
+    "array_parallelism",
+)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m sagm_jax.sweep",
+        description="\n\n".join(__doc__.split("\n\n")[:2]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("command", choices=["launch", "status", "delete_incomplete"])
+    parser.add_argument("--datasets", nargs="+", required=True)
+    parser.add_argument("--algorithms", nargs="+", default=["sagm"])
+    parser.add_argument("--test_envs", nargs="+", default=["all"])
+    parser.add_argument("--trial_seeds", nargs="+", type=int, default=[0])
+    parser.add_argument(
+        "--hparams",
+        choices=sorted(PRESETS),
+        default="paper",
+        help="paper: each config's own values; reduced: the paper's search space.",
+    )
+    parser.add_argument(
+        "--grid",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="More swept values (override the preset's for that key); repeatable.",
+    )
+    parser.add_argument(
+        "--set",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="KEY=VALUE",
+        help="Config overrides for every job (part of the job's hash); repeatable, each "
+        "--set adds its keys.",
+    )
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--dry_run", action="store_true", help="List the commands; run nothing.")
+    parser.add_argument("--yes", action="store_true", help="delete_incomplete without asking.")
+    parser.add_argument(
+        "--launcher",
+        choices=["local", "slurm", "submitit_local"],
+        default="local",
+        help="local processes; SLURM array tasks through submitit; or submitit's local "
+        "executor (the SLURM path on this machine).",
+    )
+    local = parser.add_argument_group("--launcher local")
+    local.add_argument("--jobs", type=int, default=1, help="Jobs at a time (without --gpus).")
+    local.add_argument("--gpus", help="Comma-separated GPU ids: one worker per GPU.")
+    cluster = parser.add_argument_group("--launcher slurm / submitit_local")
+    cluster.add_argument("--partition", help="SLURM partition.")
+    cluster.add_argument("--account", help="SLURM account.")
+    cluster.add_argument("--gpus_per_job", type=int, default=1, help="GPUs per job (one node).")
+    cluster.add_argument("--cpus_per_job", type=int, help="CPU cores per job (input pipeline).")
+    cluster.add_argument("--mem_gb", type=int, help="Host memory per job.")
+    cluster.add_argument(
+        "--time_min", type=int, default=240, help="Time limit per job; it requeues when hit."
+    )
+    cluster.add_argument("--array_parallelism", type=int, default=256, help="Jobs at a time.")
+    return parser.parse_args(argv)
+
+
+def make_jobs(args) -> list[jobs_lib.Job]:
+    """The grid the arguments name (``ValueError`` on a bad one)."""
+    grid = {**PRESETS[args.hparams], **jobs_lib.parse_assignments(args.grid, "--grid")}
+    fixed = {k: v[0] for k, v in jobs_lib.parse_assignments(args.set, "--set").items()}
+    axes = (args.datasets, args.algorithms, args.test_envs, args.trial_seeds)
+    return jobs_lib.make_jobs(*axes, grid, fixed, args.output_dir)
+
+
+def show_status(args, jobs) -> int:
+    print(jobs_lib.status_table(jobs, args.output_dir))
+    unknown = jobs_lib.unknown_folders(jobs, args.output_dir)
+    if unknown:
+        print(
+            f"\n{len(unknown)} folder(s) in {args.output_dir} are not jobs of this grid "
+            "(launched with other arguments; what differs):"
+        )
+        print("\n".join("  " + line for line in unknown))
+    return 0
+
+
+def delete_incomplete(args, jobs) -> int:
+    incomplete = [job for job in jobs if job.status() == INCOMPLETE]
+    if not args.yes:
+        answer = input(f"Delete {len(incomplete)} incomplete job directories? [y/N] ")
+        if answer.strip().lower() != "y":
+            return 1
+    print(f"Deleted {len(jobs_lib.delete_incomplete(jobs))} incomplete job directories.")
+    return 0
+
+
+def submit(args, jobs) -> int:
+    """``--launcher slurm`` / ``submitit_local``: one submitit job array."""
+    try:
+        cluster = "slurm" if args.launcher == "slurm" else "local"
+        options = {name: getattr(args, name) for name in CLUSTER_OPTIONS}
+        executor = launchers.make_executor(args.output_dir, cluster, **options)
+    except RuntimeError as error:  # submitit finds no srun: not a SLURM machine
+        print(f"sweep: --launcher {args.launcher}: {error}", file=sys.stderr)
+        return 2
+    submitted = launchers.submit(jobs, args.output_dir, executor)
+    if submitted:
+        print(
+            f"Submitted {len(submitted)} jobs; logs in {args.output_dir}/.submitit/. "
+            "`status` with the same arguments shows their progress."
+        )
+    if args.launcher == "submitit_local":
+        outcomes = [task.result()["outcome"] for task in submitted]
+        finished = (0, launchers.ALREADY_DONE, launchers.ELSEWHERE)
+        return 0 if all(o in finished for o in outcomes) else 1
+    return 0
+
+
+def launch_here(args, jobs) -> int:
+    """``--launcher local``: the jobs as processes of this machine."""
+    gpus = args.gpus.split(",") if args.gpus else None
+    result = launchers.launch(jobs, workers=args.jobs, gpus=gpus)
+    print(
+        f"Summary: {len(result['finished'])} finished, {len(result['skipped'])} skipped "
+        f"(done), {len(result['elsewhere'])} running elsewhere, {len(result['stopped'])} "
+        f"stopped, {len(result['failed'])} failed."
+    )
+    for job, code in result["failed"]:
+        print(f"  failed ({code}): {job.directory}")
+    if result["stopped"]:
+        print("Relaunch the same command to resume the stopped jobs.")
+        return launchers.INTERRUPTED_EXIT
+    return 1 if result["failed"] else 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        jobs = make_jobs(args)
+    except ValueError as error:
+        print(f"sweep: {error}", file=sys.stderr)
+        return 2
+    if args.command == "status":
+        return show_status(args, jobs)
+    if args.command == "delete_incomplete":
+        return delete_incomplete(args, jobs)
+    if args.dry_run:
+        for job in jobs:
+            print(f"[{job.status()}] " + shlex.join(job.command()))
+        return 0
+    if args.launcher != "local":
+        return submit(args, jobs)
+    return launch_here(args, jobs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

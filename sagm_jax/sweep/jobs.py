@@ -1,0 +1,287 @@
+"""The sweep's job grid: which runs a sweep holds, where each lives, and how far it got.
+
+A job is one argument set: the config file of its dataset, then config overrides
+(``algorithm``, ``test_envs``, ``trial_seed``, ``seed`` = the trial seed, one point of
+the hyperparameter grid, and every ``--set``). As in DomainBed, its directory is
+``<output_dir>/<md5 of json.dumps(args, sort_keys=True)>``, with the arguments in
+``args.json`` there, so the same grid always names the same directories. The run
+directory inside is ``sagm_jax.rundir``'s; the job folder adds ``args.json``,
+``out.txt`` / ``err.txt`` (the job's output, one header per launch) and the
+launcher's claim ``launcher.lock``.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import sys
+
+from sagm_jax import claims, rundir
+from sagm_jax.data import registry
+from sagm_jax.formatting import flag_value
+from sagm_jax.optimizers import ALGORITHMS
+
+# The datasets a sweep can run: those of the registry with a config file and a known
+# number of environments (an ImageFolder's depends on its data_dir).
+CONFIG_FILES = {
+    name: spec.config_file
+    for name, spec in registry.DATASETS.items()
+    if spec.config_file and spec.domains
+}
+DATASET_OF = {path: name for name, path in CONFIG_FILES.items()}
+
+# The paper's search space for the other methods (docs/protocol.md); "paper" keeps each
+# config file's own (the paper's per-dataset) hyperparameters.
+PRESETS = {
+    "paper": {},
+    "reduced": {
+        "lr": [1e-5, 3e-5, 5e-5],
+        "dropout": [0.0, 0.1, 0.5],
+        "weight_decay": [1e-4, 1e-6],
+        "alpha": [1e-3, 5e-4],
+    },
+}
+# Hyperparameters an algorithm ignores are not swept for it (no duplicate runs).
+# ``alpha`` is SAGM's alone (erm_sam is SAGM with alpha 0); GSAM has ``gsam_alpha``.
+USED_BY = {
+    "alpha": ("sagm",),
+    "gsam_alpha": ("gsam",),
+    "rho": ("sam", "gsam", "sagm", "erm_sam"),
+    "combine": ("sagm", "erm_sam"),
+}
+# What every job's arguments hold besides its grid point and --set keys.
+SWEEP_KEYS = ("config", "algorithm", "test_envs", "trial_seed", "seed")
+
+DONE, RUNNING, INCOMPLETE, NOT_LAUNCHED = "done", "running", "incomplete", "not launched"
+ARGS = "args.json"  # the job's arguments, in its folder
+CLAIM = "launcher.lock"  # held by the launcher that runs the job, and by the job's process
+OUT, ERR = "out.txt", "err.txt"
+
+
+def num_environments(dataset: str) -> int:
+    return len(registry.get_spec(dataset).domains)
+
+
+def test_env_sets(specs: list[str], n_envs: int) -> list[list[int]]:
+    """``all``, ``all_with_pairs`` (DomainBed's ``all_test_env_combinations``) or
+    explicit comma-separated sets."""
+    sets = []
+    for spec in specs:
+        if spec == "all":
+            sets += [[i] for i in range(n_envs)]
+        elif spec == "all_with_pairs":
+            for i in range(n_envs):
+                sets += [[i]] + [[i, j] for j in range(i + 1, n_envs)]
+        else:
+            try:
+                envs = sorted(int(e) for e in spec.split(","))
+            except ValueError:
+                raise ValueError(
+                    f"--test_envs {spec!r}: expected all, all_with_pairs or "
+                    "environment indices such as 0 or 0,1."
+                ) from None
+            if any(not 0 <= e < n_envs for e in envs):
+                raise ValueError(f"--test_envs {spec!r}: indices must be in 0..{n_envs - 1}.")
+            sets.append(envs)
+    return sets
+
+
+def parse_value(text: str):
+    """``1e-5`` -> 1e-05, ``True`` -> True, ``(0, 1)`` -> [0, 1]; anything else a string."""
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+    return list(value) if isinstance(value, tuple) else value
+
+
+def parse_assignments(items: list[str], flag: str) -> dict[str, list]:
+    """``["lr=1e-5,3e-5", "steps=301"]`` -> ``{"lr": [1e-05, 3e-05], "steps": [301]}``.
+    Every ``--set`` / ``--grid`` item adds a key; a key given twice is an error."""
+    result, given = {}, {}
+    for item in items:
+        key, sep, values = item.partition("=")
+        if not sep or not key or not values:
+            raise ValueError(f"{flag} {item!r}: expected KEY=VALUE[,VALUE...].")
+        if key in given:
+            raise ValueError(
+                f"{flag} {key} is given twice ({given[key]} and {item}); give each key once."
+            )
+        given[key] = item
+        result[key] = (
+            [parse_value(v) for v in values.split(",")]
+            if flag == "--grid"
+            else [parse_value(values)]
+        )
+    return result
+
+
+def grid_points(grid: dict[str, list], algorithm: str) -> list[dict]:
+    """Every combination of the grid's values, without keys the algorithm ignores."""
+    keys = sorted(k for k in grid if algorithm in USED_BY.get(k, ALGORITHMS))
+    return [dict(zip(keys, values)) for values in itertools.product(*(grid[k] for k in keys))]
+
+
+def job_hash(args: dict) -> str:
+    """DomainBed's job name: md5 of the sorted, JSON-serialized arguments."""
+    return hashlib.md5(json.dumps(args, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+class Job:
+    """One run: its arguments, its directory and its command."""
+
+    def __init__(self, args: dict, output_dir: str):
+        self.args = args
+        self.directory = os.path.join(os.path.abspath(output_dir), job_hash(args))
+
+    def command(self) -> list[str]:
+        overrides = [
+            f"--config.{key}={flag_value(value)}"
+            for key, value in sorted(self.args.items())
+            if key != "config"
+        ]
+        return [
+            sys.executable,
+            "-m",
+            "sagm_jax.main",
+            f"--config={self.args['config']}",
+            f"--workdir={self.directory}",
+            *overrides,
+        ]
+
+    def is_done(self) -> bool:
+        return os.path.exists(os.path.join(self.directory, rundir.DONE))
+
+    def status(self) -> str:
+        if self.is_done():
+            return DONE
+        if claims.is_claimed(self.directory, CLAIM) or claims.is_claimed(
+            self.directory, rundir.RUN_LOCK
+        ):
+            return RUNNING
+        return INCOMPLETE if os.path.exists(self.directory) else NOT_LAUNCHED
+
+    def describe(self, extra_keys=()) -> str:
+        """``PACS sagm test_envs=0 trial_seed=1 lr=3e-05``: which job this is."""
+        args = self.args
+        words = [
+            DATASET_OF.get(args.get("config"), str(args.get("config"))),
+            str(args.get("algorithm")),
+            "test_envs=" + ",".join(str(e) for e in args.get("test_envs", [])),
+            f"trial_seed={args.get('trial_seed')}",
+        ]
+        return " ".join(words + [f"{k}={flag_value(args[k])}" for k in extra_keys if k in args])
+
+
+def make_jobs(datasets, algorithms, test_envs, trial_seeds, grid, fixed, output_dir) -> list[Job]:
+    """The sweep's jobs, in a fixed order. ``grid`` maps keys to value lists; ``fixed``
+    maps keys to one value each (``--set``)."""
+    # The sweep itself sets these (and the grid its keys); a --set of one would give
+    # several jobs the same arguments.
+    clash = sorted(set(fixed) & (set(SWEEP_KEYS) | set(grid)))
+    if clash:
+        raise ValueError(
+            f"--set {', '.join(clash)}: set by the sweep's own options "
+            "(--algorithms, --test_envs, --trial_seeds, --grid / --hparams)."
+        )
+    for dataset in datasets:
+        if dataset not in CONFIG_FILES:
+            raise ValueError(f"--datasets {dataset!r}: expected one of {', '.join(CONFIG_FILES)}.")
+    for algorithm in algorithms:
+        if algorithm not in ALGORITHMS:
+            raise ValueError(
+                f"--algorithms {algorithm!r}: expected one of {', '.join(ALGORITHMS)}."
+            )
+    jobs = []
+    for dataset, algorithm in itertools.product(datasets, algorithms):
+        for envs in test_env_sets(test_envs, num_environments(dataset)):
+            for trial_seed, point in itertools.product(trial_seeds, grid_points(grid, algorithm)):
+                args = {
+                    "config": CONFIG_FILES[dataset],
+                    "algorithm": algorithm,
+                    "test_envs": envs,
+                    "trial_seed": trial_seed,
+                    "seed": trial_seed,
+                    **point,
+                    **fixed,
+                }
+                jobs.append(Job(args, output_dir))
+    return jobs
+
+
+def values_by_key(jobs: list[Job]) -> dict[str, set[str]]:
+    """``{key: {JSON of each value the jobs give it}}``; a job without the key gives it
+    ``null``."""
+    keys = {k for job in jobs for k in job.args}
+    return {k: {json.dumps(job.args.get(k)) for job in jobs} for k in keys}
+
+
+def varying_keys(jobs: list[Job], exclude=()) -> list[str]:
+    """The keys whose values differ between the jobs, but those in ``exclude``."""
+    return sorted(k for k, v in values_by_key(jobs).items() if len(v) > 1 and k not in exclude)
+
+
+def status_table(jobs: list[Job], output_dir: str) -> str:
+    """One row per job (status, hash, last evaluated step, and the arguments that
+    vary), then the totals."""
+    last_steps = {run.path: run.last_step for run in rundir.find_runs(output_dir)}
+    varying = varying_keys(jobs)
+    header = ["status", "job", "step", *varying]
+    rows = [
+        [
+            job.status(),
+            os.path.basename(job.directory)[:10],
+            str(last_steps.get(job.directory, "-")),
+            *[json.dumps(job.args.get(k)) for k in varying],
+        ]
+        for job in jobs
+    ]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+    counts = {
+        s: sum(1 for r in rows if r[0] == s) for s in (DONE, RUNNING, INCOMPLETE, NOT_LAUNCHED)
+    }
+    lines.append(f"{len(jobs)} jobs: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
+    return "\n".join(lines)
+
+
+def unknown_folders(jobs: list[Job], output_dir: str) -> list[str]:
+    """A line for each folder of ``output_dir`` that is not a job of this grid, saying
+    why: its arguments that no job of the grid has (usually another --set or --grid)."""
+    if not os.path.isdir(output_dir):
+        return []
+    known = {os.path.basename(job.directory) for job in jobs}
+    values = values_by_key(jobs)
+    lines = []
+    for name in sorted(os.listdir(output_dir)):
+        path = os.path.join(output_dir, name)
+        if name.startswith(".") or name in known or not os.path.isdir(path):
+            continue
+        if not os.path.exists(os.path.join(path, ARGS)):
+            lines.append(f"{name[:10]}  not a job folder (no {ARGS})")
+            continue
+        with open(os.path.join(path, ARGS)) as f:
+            args = json.load(f)
+        differences = []
+        for key in sorted(set(args) | set(values)):
+            value = json.dumps(args.get(key))
+            grid = values.get(key, {"null"})
+            if value not in grid:
+                shown = ", ".join(sorted(v if v != "null" else "unset" for v in grid))
+                given = value if key in args else "unset"
+                differences.append(f"{key}={given} (this grid: {shown})")
+        status = Job(args, output_dir).status()
+        why = "; ".join(differences) or "arguments match, but not its folder name"
+        lines.append(f"{name[:10]}  {status:<12}  {why}")
+    return lines
+
+
+def delete_incomplete(jobs: list[Job]) -> list[Job]:
+    deleted = [job for job in jobs if job.status() == INCOMPLETE]
+    for job in deleted:
+        shutil.rmtree(job.directory)
+    return deleted
