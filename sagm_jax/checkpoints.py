@@ -2,8 +2,9 @@
 
 ``workdir/checkpoints/<step>/`` holds the train state after update ``step``, named by
 the step of the record written for it (``Selected step 300`` is ``checkpoints/300``).
-Each save carries the record's training-domain validation accuracy as its metric, and
-the manager's preservation policy keeps two checkpoints at most:
+Each save carries the record's training-domain validation accuracy
+(``sagm_jax.selection.validation_accuracy``) as its metric, and the manager's
+preservation policy keeps two checkpoints at most:
 
 * the latest one (resume);
 * the best one by training-domain validation, the earliest on a tie, which is the step

@@ -5,7 +5,7 @@ This module owns the XLA flags that sagm_jax adds for its CPU runs. XLA reads
 before the first JAX computation; later it changes nothing and says so.
 
 The flags kept, measured on the 2-core development CPU (jax 0.10.2; figures in
-docs/cpu.md, "The CPU step against PyTorch"):
+docs/cpu.md, "The CPU step, against PyTorch's"):
 
   --xla_cpu_enable_concurrency_optimized_scheduler=false
       XLA's CPU default schedules the step's operations to run side by side,

@@ -428,7 +428,7 @@ def _test_accuracy_table(config, env_names, accuracies: dict) -> str:
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Any:
     """Runs ``config.test_envs``, or every environment in turn with ``config.all_test_envs``
     (then prints the table of test accuracies and writes it to ``workdir/results.md``).
-    Ends with the run directory and the wall time."""
+    Starts by printing the run directory, ends with the wall time."""
     import time
 
     start, is_main = time.monotonic(), jax.process_index() == 0
@@ -449,7 +449,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Any:
             with open(os.path.join(workdir, "results.md"), "w") as f:
                 f.write(table + "\n")
             print("\n" + table + f"\n(written to {os.path.join(workdir, 'results.md')})")
-    if is_main:
-        print(f"Run directory: {os.path.abspath(workdir)}")
+    if is_main:  # the run directory was printed first, once
         print(f"Wall time: {formatting.duration(time.monotonic() - start)}")
     return result

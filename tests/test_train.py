@@ -468,7 +468,7 @@ def test_summary_is_in_percent_with_the_selected_step(capsys):
     assert "Test accuracy ('in' split of the test environment): env0 art 25.0%" in out
 
 
-def test_all_test_envs_prints_and_writes_the_table_then_workdir_and_wall_time(
+def test_all_test_envs_prints_the_workdir_once_then_writes_the_table_and_wall_time(
     tmp_path, capsys, monkeypatch
 ):
     names = ["art", "photo", "sketch"]
@@ -491,5 +491,6 @@ def test_all_test_envs_prints_and_writes_the_table_then_workdir_and_wall_time(
     assert "| accuracy | 50.0 | 60.0 | 70.0 | 60.0 |" in written
     out = capsys.readouterr().out
     assert written.strip() in out
-    assert f"Run directory: {tmp_path / 'run'}" in out.splitlines()[-2]
+    assert out.splitlines()[0] == f"Run directory: {tmp_path / 'run'}"
+    assert out.count("Run directory:") == 1
     assert out.splitlines()[-1].startswith("Wall time: 0m0")

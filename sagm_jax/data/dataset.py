@@ -55,9 +55,10 @@ class Source(Protocol):
         seed: int,
     ) -> Iterator[dict]:
         """Infinite: for step = start_step, start_step + 1, ..., the training batch of the
-        flat ids ``ids_at(step)`` (int64 [b], this host's rows), augmented as in training
-        by ``seed``, the step and each row's ``positions`` (int32 [b]: its row in the
-        global batch)."""
+        flat ids ``ids_at(step)`` (int64 [b], this host's rows), with the training
+        augmentation as a function of ``seed``, the step and each row's ``positions``
+        (int32 [b]: its row in the global batch). A source of canvases passes
+        ``positions`` on and the accelerator augments; the in-memory one does not."""
         ...
 
     def eval_batches(

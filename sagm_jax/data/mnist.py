@@ -22,6 +22,8 @@ permutation). Images are float32 in [0, 1], HxWxC.
   RotatedMNIST: seeded shuffle, ``images[i::6]``, rotations 0..75 degrees.
   28x28x1, 10 classes.
 
+Each is an ``ArraySource``: the arrays, and the ``dataset.Source`` that serves them.
+
 MNIST comes from ``tfds.load('mnist')`` (downloaded to ``data_dir`` where there is
 internet; tests use ``tfds.testing.mock_data``).
 """

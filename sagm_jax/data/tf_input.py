@@ -1,5 +1,8 @@
 """tf.data pipelines for image-folder datasets: read, decode, augment, batch.
 
+``TFDataSource`` serves a dataset's batches from them (the ``dataset.Source`` of
+``config.input='tf'``, and of ``registry.load``'s image folders by default).
+
 Files are read with ``tf.io.read_file`` and decoded with ``tf.io.decode_image`` (RGB,
 as torchvision's loader converts to RGB); formats TensorFlow cannot decode (TIFF,
 WebP, PPM/PGM, CMYK JPEG; found during the decode check) go through PIL in a
