@@ -83,27 +83,18 @@ def create(
     if not 0.0 <= dropout_rate < 1.0:
         raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
     mixstyle_after = tuple(sorted(set(mixstyle_after)))
+    head = dict(num_classes=num_classes, dropout_rate=dropout_rate, input_channels=input_channels)
     if arch == "mnist_cnn":
         if mixstyle_after:
             raise ValueError(
                 f"mnist_cnn has no MixStyle layers; got mixstyle_after={mixstyle_after}"
             )
         widths = {} if cnn_widths is None else {"widths": tuple(cnn_widths)}
-        return MnistCNN(
-            num_classes=num_classes,
-            dropout_rate=dropout_rate,
-            input_channels=input_channels,
-            **widths,
-        )
+        return MnistCNN(**head, **widths)
     if bad := [stage for stage in mixstyle_after if stage not in MIXSTYLE_STAGES]:
         raise ValueError(f"mixstyle_after may only name ResNet stages {MIXSTYLE_STAGES}, got {bad}")
     return ResNet(
-        arch=arch,
-        num_classes=num_classes,
-        dropout_rate=dropout_rate,
-        freeze_batchnorm=freeze_batchnorm,
-        mixstyle_after=mixstyle_after,
-        input_channels=input_channels,
+        arch=arch, freeze_batchnorm=freeze_batchnorm, mixstyle_after=mixstyle_after, **head
     )
 
 

@@ -18,10 +18,9 @@ Initialization mirrors torch's defaults for Conv2d and Linear
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import flax.linen as nn
 
-from sagm_jax.models.resnet import check_images, torch_linear_init
+from sagm_jax.models.resnet import check_images, classifier_head, torch_linear_init
 
 GROUPNORM_GROUPS = 8
 GROUPNORM_EPS = 1e-5
@@ -72,13 +71,6 @@ class MnistCNN(nn.Module):
             x = nn.GroupNorm(
                 num_groups=GROUPNORM_GROUPS, epsilon=GROUPNORM_EPS, name=f"groupnorm{index}"
             )(x)
-        features = jnp.mean(x, axis=(1, 2))
-        if self.dropout_rate > 0.0:
-            features = nn.Dropout(self.dropout_rate, deterministic=not train)(features)
-        fan_in = features.shape[-1]
-        return nn.Dense(
-            self.num_classes,
-            kernel_init=torch_default_kernel_init,
-            bias_init=torch_linear_init(fan_in),
-            name="classifier",
-        )(features)
+        return classifier_head(
+            x, self.num_classes, self.dropout_rate, train, kernel_init=torch_default_kernel_init
+        )

@@ -83,6 +83,22 @@ def torch_linear_init(fan_in: int):
     return init
 
 
+def classifier_head(x, num_classes: int, dropout_rate: float, train: bool, kernel_init=None):
+    """DomainBed's head: global average pool -> dropout -> ``classifier`` (a Dense layer
+    with torch's ``nn.Linear`` init unless ``kernel_init`` is given). Called inside a
+    network's ``__call__``: its layers are the network's."""
+    features = jnp.mean(x, axis=(1, 2))
+    if dropout_rate > 0.0:
+        features = nn.Dropout(dropout_rate, deterministic=not train)(features)
+    fan_in = features.shape[-1]
+    return nn.Dense(
+        num_classes,
+        kernel_init=kernel_init or torch_linear_init(fan_in),
+        bias_init=torch_linear_init(fan_in),
+        name="classifier",
+    )(features)
+
+
 def on_cpu() -> bool:
     """Whether to use ``cpu_ops``' forms; GPUs and TPUs keep XLA's own operations."""
     return jax.default_backend() == "cpu"
@@ -128,12 +144,27 @@ def batchnorm(use_running_average: bool, name: str) -> nn.BatchNorm:
     )
 
 
-class BasicBlock(nn.Module):
-    """Two 3x3 convs (the first strided) and a projection shortcut when the shape changes."""
+def shortcut(x, out_features: int, stride: int, use_running_average: bool):
+    """A block's identity, or its 1x1 projection (torchvision's ``downsample``) when the
+    block changes the shape. Called inside a block's ``__call__``: its layers are the
+    block's."""
+    if stride == 1 and x.shape[-1] == out_features:
+        return x
+    x = conv(out_features, 1, stride, "downsample_conv")(x)
+    return batchnorm(use_running_average, "downsample_bn")(x)
+
+
+class Block(nn.Module):
+    """A residual block's settings: its width, its stride, and whether BatchNorm uses its
+    running statistics."""
 
     width: int
     stride: int
     use_running_average: bool
+
+
+class BasicBlock(Block):
+    """Two 3x3 convs (the first strided) and a projection shortcut when the shape changes."""
 
     @nn.compact
     def __call__(self, x):
@@ -142,19 +173,11 @@ class BasicBlock(nn.Module):
         y = nn.relu(batchnorm(self.use_running_average, "bn1")(y))
         y = conv(self.width, 3, 1, "conv2")(y)
         y = batchnorm(self.use_running_average, "bn2")(y)
-        shortcut = x
-        if self.stride != 1 or x.shape[-1] != out_features:
-            shortcut = conv(out_features, 1, self.stride, "downsample_conv")(x)
-            shortcut = batchnorm(self.use_running_average, "downsample_bn")(shortcut)
-        return nn.relu(y + shortcut)
+        return nn.relu(y + shortcut(x, out_features, self.stride, self.use_running_average))
 
 
-class Bottleneck(nn.Module):
+class Bottleneck(Block):
     """1x1 reduce, 3x3 (strided: v1.5), 1x1 expand by 4, projection shortcut when needed."""
-
-    width: int
-    stride: int
-    use_running_average: bool
 
     @nn.compact
     def __call__(self, x):
@@ -165,11 +188,7 @@ class Bottleneck(nn.Module):
         y = nn.relu(batchnorm(self.use_running_average, "bn2")(y))
         y = conv(out_features, 1, 1, "conv3")(y)
         y = batchnorm(self.use_running_average, "bn3")(y)
-        shortcut = x
-        if self.stride != 1 or x.shape[-1] != out_features:
-            shortcut = conv(out_features, 1, self.stride, "downsample_conv")(x)
-            shortcut = batchnorm(self.use_running_average, "downsample_bn")(shortcut)
-        return nn.relu(y + shortcut)
+        return nn.relu(y + shortcut(x, out_features, self.stride, self.use_running_average))
 
 
 class ResNet(nn.Module):
@@ -215,13 +234,4 @@ class ResNet(nn.Module):
                 x = block_class(width, stride, use_running_average, name=f"layer{stage}_{index}")(x)
             if stage in self.mixstyle_after:
                 x = MixStyle(name=f"mixstyle{stage}")(x, active=train and mixstyle)
-        features = jnp.mean(x, axis=(1, 2))
-        if self.dropout_rate > 0.0:
-            features = nn.Dropout(self.dropout_rate, deterministic=not train)(features)
-        fan_in = features.shape[-1]
-        return nn.Dense(
-            self.num_classes,
-            kernel_init=torch_linear_init(fan_in),
-            bias_init=torch_linear_init(fan_in),
-            name="classifier",
-        )(features)
+        return classifier_head(x, self.num_classes, self.dropout_rate, train)
