@@ -10,15 +10,32 @@ preservation policy keeps two checkpoints at most:
 * the best one by training-domain validation, the earliest on a tie, which is the step
   ``sagm_jax.selection.training_domain_validation`` selects from the records.
 
+The metric is written with each checkpoint (``<step>/metrics``), so a relaunched run
+ranks its earlier checkpoints as the first launch did and still keeps two.
+
 Every process of a multi-host run saves at every evaluation and the policy decides,
 from metrics that are global reductions and so identical on every host, what is kept:
 no process can enter a save that another skips (orbax's saves end in a barrier).
+
+Saves are synchronous: a write that fails (a full disk) is one ``OSError`` naming the
+folder and its free space, raised by the ``save`` of that step, with orbax's own
+tracebacks of it held back. Asynchronous saves reported it only at the next save, one
+evaluation later, after pages of thread tracebacks; waiting costs the write itself,
+about 0.5 s for 200 MB of train state on a local disk, once per evaluation. A failed
+save leaves the records and the last good checkpoint; its partial folder is removed
+when the run is relaunched.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import functools
+import logging
 import math
 import os
+import shutil
+import sys
 
 import jax
 import orbax.checkpoint as ocp
@@ -34,8 +51,12 @@ def _rank(metrics: dict):
     return (metrics["validation"], -metrics["step"])
 
 
+def _directory(workdir: str) -> str:
+    return os.path.abspath(os.path.join(workdir, DIRECTORY))
+
+
 def _manager(workdir: str, saving: bool = True) -> ocp.CheckpointManager:
-    directory = os.path.abspath(os.path.join(workdir, DIRECTORY))
+    directory = _directory(workdir)
     if os.path.isdir(os.path.join(directory, "latest")):
         raise ValueError(
             f"{directory} was written by an earlier sagm_jax (latest/ and best/ "
@@ -46,7 +67,16 @@ def _manager(workdir: str, saving: bool = True) -> ocp.CheckpointManager:
     policy = policies.AnyPreservationPolicy(
         [policies.LatestN(n=1), policies.BestN(get_metric_fn=_rank, n=1)]
     )
-    options = ocp.CheckpointManagerOptions(preservation_policy=policy)
+    # The policy alone decides what is kept; ``best_fn`` is what makes orbax write each
+    # save's metrics to disk (``<step>/metrics``). Without it a relaunched run reads its
+    # earlier checkpoints back unranked, and BestN keeps every unranked one for good.
+    options = ocp.CheckpointManagerOptions(
+        preservation_policy=policy,
+        best_fn=_rank,
+        best_mode="max",
+        enable_async_checkpointing=False,
+        cleanup_tmp_directories=True,
+    )
     return ocp.CheckpointManager(directory, options=options)
 
 
@@ -55,6 +85,7 @@ class Checkpoints:
 
     def __init__(self, workdir: str, enabled: bool = True):
         self.manager = _manager(workdir) if enabled else None
+        self.directory = _directory(workdir)
 
     def restore_latest(self, state):
         """The newest checkpoint restored into ``state``'s shapes and shardings, or
@@ -75,15 +106,97 @@ class Checkpoints:
                 "no checkpoint can be ranked by it."
             )
         metrics = {"validation": float(validation), "step": int(step)}
-        self.manager.save(step, args=ocp.args.StandardSave(state), metrics=metrics)
+        with _save_errors_held() as held:
+            try:
+                self.manager.save(step, args=ocp.args.StandardSave(state), metrics=metrics)
+            except Exception as error:
+                held.clear()  # the message below says it; ``from`` keeps the traceback
+                raise OSError(self._failure(step, error)) from error
+
+    def _failure(self, step: int, error: Exception) -> str:
+        """One line for a user: what failed, where, the free space, what is kept and
+        what to do."""
+        latest, reason = self.manager.latest_step(), _reason(error)
+        space = f"{_free_bytes(self.directory):,} bytes free"
+        if latest is None:
+            kept = "The records are kept (no checkpoint was saved before)"
+        else:
+            size = _folder_bytes(os.path.join(self.directory, str(latest)))
+            space += f"; a checkpoint takes about {size:,} bytes"
+            kept = f"The records and the last good checkpoint (step {latest}) are kept"
+        fix = "free space on that disk" if reason == NO_SPACE else "fix that"
+        return (
+            f"could not save the checkpoint of step {step} in {self.directory}: "
+            f"{reason} ({space}). {kept}: {fix} (or use a --workdir elsewhere), then run "
+            "the same command again to resume."
+        )
 
     def latest_step(self) -> int | None:
         return None if self.manager is None else self.manager.latest_step()
 
     def wait(self) -> None:
-        """Waits for a pending asynchronous save."""
+        """Waits for any save in flight (none: saves are synchronous; kept for callers
+        that end a run with it). Does not raise again for a save that failed."""
         if self.manager is not None:
             self.manager.wait_until_finished()
+
+
+@contextlib.contextmanager
+def _save_errors_held():
+    """Holds back what orbax's threads report during a save: ERROR records on absl's
+    logger and unraisable exceptions (tensorstore's writes calling back into an event
+    loop already closed). Yields the list of held reports, each a call that emits it,
+    and emits those left in it at the end: a failed save clears it, since its own
+    message replaces them (otherwise about 200 lines for a full disk)."""
+    logger, held, unraisable_hook = logging.getLogger("absl"), [], sys.unraisablehook
+
+    def hold_record(record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        held.append(functools.partial(logger.handle, record))
+        return False
+
+    def hold_unraisable(unraisable) -> None:
+        held.append(functools.partial(unraisable_hook, unraisable))
+
+    logger.addFilter(hold_record)
+    sys.unraisablehook = hold_unraisable
+    try:
+        yield held
+    finally:
+        logger.removeFilter(hold_record)
+        sys.unraisablehook = unraisable_hook
+        for emit in held:
+            emit()
+
+
+NO_SPACE = "no space left on device"
+
+
+def _reason(error: BaseException) -> str:
+    """``NO_SPACE`` where the error or one it came from says so (orbax wraps the
+    OSError's text in a ValueError), else the error's type and first line."""
+    seen = error
+    while seen is not None:
+        if getattr(seen, "errno", None) == errno.ENOSPC or "No space left" in str(seen):
+            return NO_SPACE
+        seen = seen.__cause__ or seen.__context__
+    first = (str(error).splitlines() or [""])[0][:300]
+    return f"{type(error).__name__}: {first}"
+
+
+def _free_bytes(path: str) -> int:
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+def _folder_bytes(path: str) -> int:
+    return sum(
+        os.path.getsize(os.path.join(root, name))
+        for root, _, names in os.walk(path)
+        for name in names
+    )
 
 
 def saved_steps(workdir: str) -> list[int]:

@@ -12,6 +12,7 @@ message after Ctrl-C; and a quiet TensorFlow start-up.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import glob
 import hashlib
 import importlib.util
@@ -96,10 +97,13 @@ def check_overrides(argv: Sequence[str], config: ml_collections.ConfigDict, path
     for arg in argv:
         match = re.match(r"--config\.([\w.]+)(=|$)", arg)
         if match and match.group(1) not in valid:
-            raise UsageError(
-                f"--config.{match.group(1)}: no such key in {path}. "
-                f"Valid keys: {', '.join(sorted(valid))}."
+            close = difflib.get_close_matches(match.group(1), valid, n=1)
+            hint = (
+                f"did you mean `{close[0]}`? (--help lists every key)"
+                if close
+                else f"Valid keys: {', '.join(sorted(valid))}."
             )
+            raise UsageError(f"--config.{match.group(1)}: no such key in {path}; {hint}")
 
 
 def check_command_line(argv: Sequence[str]) -> None:
@@ -244,7 +248,20 @@ def _data_problem(config) -> str | None:
             f"--config.data_dir={config.data_dir}: it has no {spec.folder}/ folder; "
             f"{config.dataset} is read from {layout}. {get}"
         )
-    return None
+    return _folder_test_envs_problem(config, root) if spec.domains is None else None
+
+
+def _folder_test_envs_problem(config, root: str) -> str | None:
+    """``config.test_envs`` against the domain folders of an image folder (the config's
+    own check knows a published dataset's domains, not a researcher's folder)."""
+    from sagm_jax.data import splits
+
+    test_envs, domains = config.test_envs, splits.list_domains(root)
+    field = next(f for f in config_lib.all_fields() if f.key == "test_envs")
+    if field.check(test_envs, config, None) or not domains:
+        return None  # reported by the config's check, or by the data's loader
+    expected = config_lib.test_envs_problem(test_envs, config.dataset, domains)
+    return f"config.test_envs={flag_value(test_envs)}: expected {expected}." if expected else None
 
 
 def _workdir_problem(workdir: str) -> str | None:
@@ -284,17 +301,43 @@ def preflight(
         )
         for i, p in enumerate(problems, 1)
     ]
-    example = list(argv[1:])
-    if _data_problem(config) and not config.data_dir:
-        example.append("--config.data_dir=DATA_DIR")
-    if not config.pretrained_weights and config_lib.weights_problem(config):
-        example.append(f"--config.pretrained_weights={models.WEIGHTS_FILES[config.arch]}")
     lines += [
         f"The run directory would be {workdir} (--workdir=DIR chooses another).",
         "For example:",
-        f"  {PROGRAM} {shlex.join(example)}",
+        f"  {PROGRAM} {shlex.join(_example(config, workdir, argv, device_count))}",
     ]
     raise UsageError("\n".join(lines))
+
+
+def _example(config, workdir: str, argv: Sequence[str], device_count) -> list[str]:
+    """The user's arguments made a command that starts: without the overrides whose
+    values failed their check (the config file's own values stand) or an unusable
+    ``--workdir``, with the base config's value for a file's own invalid one, and with
+    placeholders for the missing data and weights."""
+    invalid = {key for key, _ in config_lib.field_problems(config, device_count)}
+    data = _data_problem(config)
+    if data and data.startswith("config.test_envs="):
+        invalid.add("test_envs")
+    drop_workdir = _workdir_problem(workdir) is not None
+    example, overridden, words = [], set(), iter(argv[1:])
+    for arg in words:
+        match = re.match(r"--config\.([\w.]+)(=|$)", arg)
+        key = match.group(1) if match else None
+        overridden.add(key)
+        if key in invalid or (drop_workdir and arg.startswith("--workdir")):
+            if (match and not match.group(2)) or arg == "--workdir":
+                next(words, None)  # "--config.KEY VALUE", "--workdir DIR": its value too
+            continue
+        example.append(arg)
+    defaults = config_lib.base_config()
+    for key in sorted(invalid - overridden):
+        if key in defaults and config.get(key) != defaults[key]:
+            example.append(f"--config.{key}={flag_value(defaults[key])}")
+    if data and not config.data_dir:
+        example.append("--config.data_dir=DATA_DIR")
+    if not config.pretrained_weights and config_lib.weights_problem(config):
+        example.append(f"--config.pretrained_weights={models.WEIGHTS_FILES[config.arch]}")
+    return example
 
 
 # --- around the run -----------------------------------------------------------------

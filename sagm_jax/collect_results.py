@@ -12,6 +12,9 @@ method is ``args.algorithm`` + " (DomainBed)", their hyperparameter setting is
 or its last record is step ``args.steps - 1`` (5000 when ``steps`` is unset). A run
 killed while it wrote a record keeps its records but the torn last line (dropped with
 a warning, as a resumed run drops it); without ``done`` it is listed as incomplete.
+Our runs' records are checked against their config's evaluation steps as they are read
+(``rundir.check_steps``): a lost or repeated record is an error naming the file and the
+steps, never a table built on it; DomainBed's records (no config) are not checked so.
 
 Grouping (DomainBed's ``reporting.get_grouped_records``): a run's records join the
 group (split, dataset, method, trial_seed, t) for each of its test environments t.
@@ -48,7 +51,7 @@ import sys
 import numpy as np
 
 from sagm_jax import rundir, selection
-from sagm_jax.data.registry import PAPER_DATASETS  # the tables' columns
+from sagm_jax.data.registry import PAPER_DATASETS, env_label  # the tables' columns
 from sagm_jax.sweep.jobs import ARGS
 
 # The tables' names of sagm_jax.optimizers.ALGORITHMS (a test checks that they name
@@ -127,13 +130,14 @@ def method_name(record: dict) -> str:
 
 
 def setting_key(record: dict) -> str:
-    """The run's hyperparameter setting: its config without the test environments, or
-    DomainBed's ``args.hparams_seed``."""
+    """The run's hyperparameter setting: its config without the test environments and the
+    settings that do not change the result (``rundir.result_free_keys``), or DomainBed's
+    ``args.hparams_seed``."""
     if is_domainbed(record):
         return json.dumps({"domainbed_hparams_seed": record["args"]["hparams_seed"]})
-    return json.dumps(
-        {k: v for k, v in record["config"].items() if k not in NOT_TEST_KEYS}, sort_keys=True
-    )
+    config = record["config"]
+    ignored = set(NOT_TEST_KEYS) | set(rundir.result_free_keys(config))
+    return json.dumps({k: v for k, v in config.items() if k not in ignored}, sort_keys=True)
 
 
 def split_of(record: dict) -> str:
@@ -348,7 +352,7 @@ def table_1(ood: Sweep, name: str, latex: bool, pm: str) -> str:
 def dataset_table(ood: Sweep, dataset: str, env_names, name: str, latex: bool, pm: str) -> str:
     """One dataset: a column per test environment, then the dataset's entry."""
     envs = ood.test_envs[dataset]
-    header = ["Algorithm", *[env_names[e] if env_names else f"env{e}" for e in envs], "Avg"]
+    header = ["Algorithm", *[env_label(dataset, e, env_names) for e in envs], "Avg"]
     rows = [
         [
             method,

@@ -26,7 +26,7 @@ from sagm_jax.data.registry import DATASETS
 from sagm_jax.formatting import flag_value
 from sagm_jax.models import ARCHS, WEIGHTS_FILES, weights_url
 from sagm_jax.models.mnist_cnn import CONV_LAYERS, GROUPNORM_GROUPS
-from sagm_jax.models.resnet import MIXSTYLE_STAGES
+from sagm_jax.models.resnet import ARCHITECTURES as RESNET_ARCHS, MIXSTYLE_STAGES
 from sagm_jax.optimizers import ALGORITHMS, GSAM_ALPHA, SAGM_ALPHA
 
 # A field's check: (value, config, device_count) -> None, or what was expected.
@@ -57,10 +57,12 @@ def _is_number(value) -> bool:
     )
 
 
-def _integer(at_least: int, why: str = "") -> Check:
+def _integer(at_least: int, why: str = "", at_most: int | None = None) -> Check:
     def check(value, config, device_count):
         if not (_is_int(value) and value >= at_least):
             return ("a positive integer" if at_least == 1 else f"an integer >= {at_least}") + why
+        if at_most is not None and value > at_most:
+            return f"an integer <= {at_most}" + why
 
     return check
 
@@ -118,9 +120,22 @@ def _test_envs(value, config, device_count):
     if not all(_is_int(e) and e >= 0 for e in value) or len(set(value)) != len(value):
         return expected
     spec = DATASETS.get(config.get("dataset"))
-    if spec is not None and spec.domains and max(value) >= len(spec.domains):
-        envs = ", ".join(f"{i} {name}" for i, name in enumerate(spec.domains))
-        return f"indices of {config.dataset}'s environments ({envs})"
+    if spec is not None and spec.domains:
+        return test_envs_problem(value, config.dataset, spec.domains)
+
+
+def test_envs_problem(test_envs: Sequence[int], dataset: str, env_names: Sequence[str]):
+    """What ``test_envs`` (distinct indices >= 0) should be, for a dataset whose
+    environments are ``env_names``: indices among them that leave a training environment.
+    The command line checks an image folder's with it once it has listed the folders."""
+    envs = ", ".join(f"{i} {name}" for i, name in enumerate(env_names))
+    if max(test_envs) >= len(env_names):
+        return f"indices of {dataset}'s environments ({envs})"
+    if len(test_envs) >= len(env_names):
+        return (
+            f"a set that leaves a training environment: this one leaves no training "
+            f"environment of {dataset}'s {len(env_names)} ({envs})"
+        )
 
 
 def _stages(value, config, device_count):
@@ -159,11 +174,37 @@ def _store_short_side(value, config, device_count):
 _PERTURBING = ("sam", "gsam", "sagm", "erm_sam")
 
 
+# rho's bound. The published radii are 0.01-0.1 (SAM, GSAM, SAGM) and up to 2 for
+# ASAM's scaled perturbation; far above them the perturbed point says nothing of the
+# loss near the weights (rho=1e9 trains to chance), so it is an error, not a warning.
+RHO_MAX = 10.0
+
+
 def _rho(value, config, device_count):
     if not _is_number(value) or value < 0:
         return "a number >= 0 (the radius of the perturbation)"
+    if value > RHO_MAX:
+        return (
+            f"a number in [0, {RHO_MAX:g}] (the radius of the perturbation; published "
+            "radii are 0.01-0.1, ASAM's up to 2)"
+        )
     if value == 0 and config.get("algorithm") in _PERTURBING:
         return f"a number > 0: with rho 0, algorithm={config.algorithm} does not perturb"
+
+
+# A ResNet halves its input five times (stem, max pool, three strided stages): below
+# 32 px its last stage sees less than one pixel.
+RESNET_STRIDE = 32
+
+
+def _image_size(value, config, device_count):
+    if not _is_int(value) or value < 1:
+        return "a positive integer"
+    if config.get("arch") in RESNET_ARCHS and value < RESNET_STRIDE:
+        return (
+            f"an integer >= {RESNET_STRIDE} (config.arch={config.arch} downsamples its input "
+            f"{RESNET_STRIDE} times; the paper uses 224)"
+        )
 
 
 def _num_devices(value, config, device_count):
@@ -236,7 +277,7 @@ FIELDS: dict[str, tuple[Field, ...]] = {
             "report and skip undecodable images instead of failing",
             _BOOL,
         ),
-        Field("image_size", 224, "side of the model input for image folders", _integer(1)),
+        Field("image_size", 224, "side of the model input for image folders", _image_size),
         Field(
             "input",
             "device",
@@ -374,7 +415,11 @@ FIELDS: dict[str, tuple[Field, ...]] = {
     ),
     "schedule": (
         Field(
-            "steps", 5001, "training steps (DomainBed's 5001; DomainNet 15001)", _integer(1)
+            "steps",
+            5001,
+            "training steps (DomainBed's 5001; DomainNet 15001)",
+            # The step counter is a 32-bit integer on the device.
+            _integer(1, at_most=2**31 - 1, why=" (the step counter is a 32-bit integer)"),
         ),
         Field(
             "eval_every",
@@ -451,13 +496,7 @@ def config_problems(
     and what was expected; all of them at once. ``device_count`` (JAX's, when known)
     bounds ``num_devices``; ``check_files`` also looks for the weights file on this
     machine (the command line does, before a run)."""
-    problems = []
-    for field in all_fields():
-        if field.key not in config:
-            problems.append(f"config.{field.key} is missing: expected a value (see --help).")
-        elif expected := field.check(config[field.key], config, device_count):
-            value = flag_value(config[field.key])
-            problems.append(f"config.{field.key}={value}: expected {expected}.")
+    problems = [problem for _, problem in field_problems(config, device_count)]
     if config.get("mixstyle") is True and config.get("arch") == "mnist_cnn":
         problems.append(
             "config.mixstyle=True: MixStyle sits between ResNet stages; "
@@ -465,6 +504,18 @@ def config_problems(
         )
     weights = weights_problem(config, check_files)
     return problems + ([weights] if weights else [])
+
+
+def field_problems(
+    config: ml_collections.ConfigDict, device_count: int | None = None
+) -> Iterator[tuple[str, str]]:
+    """``(key, problem)`` for each field of :data:`FIELDS` whose value fails its check."""
+    for field in all_fields():
+        if field.key not in config:
+            yield field.key, f"config.{field.key} is missing: expected a value (see --help)."
+        elif expected := field.check(config[field.key], config, device_count):
+            value = flag_value(config[field.key])
+            yield field.key, f"config.{field.key}={value}: expected {expected}."
 
 
 def weights_problem(config: ml_collections.ConfigDict, check_file: bool = False) -> str | None:

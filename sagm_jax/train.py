@@ -18,7 +18,10 @@ with ``step = t``, ``loss`` = the mean training loss since the last record, and
 (and flushed) BEFORE the checkpoint of that step (``checkpoints/<t>``), so after a
 kill at any point the restart restores the newest checkpoint (state ``step = s + 1``),
 drops records with ``step > s`` and repeats exactly what was lost: batches, dropout
-masks and augmentations are functions of ``(seed, step)``.
+masks and augmentations are functions of ``(seed, step)``. A resumed run (a checkpoint
+exists) and a finished one relaunched first check that the data and split are those of
+``split.json`` (which only a run starting at step 0 writes) and that ``results.jsonl``
+holds every evaluation before the restored step (``rundir.check_steps``).
 
 ``load_run(workdir, which)`` gives a finished run's model, variables and record.
 """
@@ -43,6 +46,7 @@ from sagm_jax.checkpoints import Checkpoints, restore_variables, saved_steps
 from sagm_jax.config import section, validate
 from sagm_jax.data import device_augment, registry
 from sagm_jax.data.pipeline import prefetch_to_mesh
+from sagm_jax.data.splits import check_split_record
 from sagm_jax.evaluation import Evaluator
 from sagm_jax.optimizers import paper_optimizer
 from sagm_jax.rundir import (
@@ -50,6 +54,7 @@ from sagm_jax.rundir import (
     DONE,
     RESULTS,
     RunDir,
+    is_evaluation_step,
     make_record,
     read_config,
     read_records,
@@ -183,10 +188,13 @@ def train_one_run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]
     if rundir.done:
         return _finished(rundir, config)
     program = setup(config)
-    rundir.start(config_dict, program.run_info, program.dataset)
+    checkpoints = Checkpoints(workdir, enabled=config.checkpoint)
+    resuming = checkpoints.latest_step() is not None
+    if resuming:  # before anything is rewritten: its records come from the recorded data
+        check_split_record(workdir, program.dataset)
+    rundir.start(config_dict, program.run_info, program.dataset, write_split=not resuming)
     if rundir.is_main and program.dataset.skipped:
         print(f"Skipped {len(program.dataset.skipped)} unreadable files (listed in split.json).")
-    checkpoints = Checkpoints(workdir, enabled=config.checkpoint)
     state = checkpoints.restore_latest(program.state)
     if state is None:
         state = program.state
@@ -201,6 +209,9 @@ def train_one_run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]
 
 
 def _finished(rundir: RunDir, config) -> list[dict]:
+    """A done run's records, once its data and records are checked: a sweep relaunched
+    on changed data must not mix this run's results with new ones."""
+    check_split_record(rundir.workdir, data_lib.from_config(config, open_images=False))
     records = read_records(rundir.workdir)
     if rundir.is_main:
         env_names = read_run_info(rundir.workdir)["env_names"]
@@ -241,7 +252,7 @@ def _training_loop(config, program: Program, rundir: RunDir, checkpoints: Checkp
                 loss = _finite_loss(float(metrics["loss"]), t, checkpoints, rundir)
                 progress.set_postfix(loss=f"{loss:.4f}")
                 writer.write_scalars(t, {"train/loss": loss})
-            if t % config.eval_every == 0 or t == config.steps - 1:
+            if is_evaluation_step(t, config.steps, config.eval_every):
                 mean_loss = _finite_loss(float(loss_sum) / loss_count, t, checkpoints, rundir)
                 if not _all_finite(state.params):
                     _stop_non_finite(rundir.workdir, t, mean_loss, checkpoints)
@@ -260,7 +271,7 @@ def _training_loop(config, program: Program, rundir: RunDir, checkpoints: Checkp
                 writer.write_scalars(t, {k: v for k, v in record.items() if k.endswith("_acc")})
                 checkpoints.save(t, state, validation_accuracy(record, program.train_envs))
                 loss_sum, loss_count = jnp.zeros([], jnp.float32), 0
-    finally:  # a pending asynchronous save completes even when the loop fails
+    finally:  # the prefetch thread and the progress bar end even when the loop fails
         batches.close()  # stops the prefetching thread
         progress.close()
         checkpoints.wait()
@@ -393,7 +404,10 @@ def print_summary(records: list[dict], test_envs, env_names=None) -> None:
     chosen = training_domain_validation(records, test_envs)
     envs = sorted({int(k[3:].split("_")[0]) for k in chosen if k.startswith("env")})
     parts = [p for p in ("in", "out", "test") if f"env{envs[0]}_{p}_acc" in chosen]
-    names = {e: f"env{e}" + (f" {env_names[e]}" if env_names else "") for e in envs}
+    # The index (what config.test_envs takes), then the name as the result tables show it.
+    dataset = records[-1].get("args", {}).get("dataset")
+    labels = {e: registry.env_label(dataset, e, env_names) for e in envs}
+    names = {e: f"env{e}" + (f" {labels[e]}" if env_names else "") for e in envs}
     width = max(len(n) for n in names.values()) + 8
     print(
         f"Selected step {chosen['step']} by training-domain validation (mean 'out' accuracy "

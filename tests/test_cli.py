@@ -11,7 +11,7 @@ import time
 import pytest
 
 from sagm_jax import claims, cli
-from sagm_jax.config import all_fields, base_config, mnist_config
+from sagm_jax.config import all_fields, base_config, config_problems, mnist_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIGITS = os.path.join("configs", "rotated_digits.py")
@@ -86,7 +86,7 @@ def test_an_unknown_override_lists_the_valid_keys():
     with pytest.raises(cli.UsageError, match=f"--config.learning_rate: no such key in {DIGITS}"):
         cli.check_overrides([*args, "--config.learning_rate=0.1"], config, DIGITS)
     with pytest.raises(cli.UsageError) as error:
-        cli.check_overrides(["--config.stepz", "3"], config, DIGITS)
+        cli.check_overrides(["--config.qqqq", "3"], config, DIGITS)
     valid = str(error.value).split("Valid keys: ", 1)[1].rstrip(".").split(", ")
     assert valid == sorted(config.keys())
 
@@ -140,7 +140,8 @@ def test_default_workdir_names_the_run_and_changes_with_the_config():
 
 
 def test_an_error_during_the_run_is_one_message(tmp_path):
-    (tmp_path / "data" / "only_one_domain").mkdir(parents=True)
+    for domain in ("a", "b"):  # class folders without images: found by the run's loader
+        (tmp_path / "data" / domain / "x").mkdir(parents=True)
     result = main(
         f"--config={DIGITS}",
         f"--workdir={tmp_path / 'run'}",
@@ -204,3 +205,111 @@ def test_ctrl_c_stops_cleanly_and_says_how_to_resume(tmp_path):
     assert "resumed at step" in result.stdout
     again = [json.loads(line)["step"] for line in results.read_text().splitlines()]
     assert again[: len(steps) - 1] == steps[: len(steps) - 1] and again[-1] == 59
+
+
+# --- issue 21: the pre-start check of test_envs, valid examples, did you mean ----------
+
+
+def image_folder(root, domains=("a", "b"), classes=("x", "y")):
+    """A tiny DATA_DIR/<domain>/<class>/<image> folder: two 8x8 PNGs per class."""
+    from PIL import Image
+
+    for domain in domains:
+        for name in classes:
+            os.makedirs(root / domain / name)
+            for i in range(2):
+                Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(root / domain / name / f"{i}.png")
+    return str(root)
+
+
+@pytest.mark.parametrize(
+    "test_envs,expected",
+    [
+        ((0, 1), "config.test_envs=(0, 1): expected a set that leaves a training environment"),
+        ((2,), "config.test_envs=(2,): expected indices of ImageFolder's environments"),
+    ],
+)
+def test_image_folder_test_envs_are_checked_before_the_run(tmp_path, test_envs, expected):
+    config = mnist_config("ImageFolder")
+    config.data_dir, config.test_envs = image_folder(tmp_path / "data"), test_envs
+    with pytest.raises(cli.UsageError) as error:
+        cli.preflight(config, str(tmp_path / "run"), ["main"])
+    message = flat(str(error.value))
+    assert "1 thing(s) to fix" in message and expected in message, message
+    assert "0 a, 1 b" in message  # the environments, by index and folder
+    config.test_envs = (1,)
+    cli.preflight(config, str(tmp_path / "run"), ["main"])
+
+
+def test_image_folder_test_envs_covering_every_environment_exit_2(tmp_path):
+    data = image_folder(tmp_path / "data")
+    result = main(
+        f"--config={DIGITS}",
+        f"--workdir={tmp_path / 'run'}",
+        "--config.dataset=ImageFolder",
+        f"--config.data_dir={data}",
+        "--config.test_envs=0,1",
+        f"--config.cache_dir={tmp_path / 'cache'}",
+    )
+    assert result.returncode == 2, result.stderr
+    assert "leaves a training environment" in result.stderr
+    assert "Run directory:" not in result.stdout and not os.path.exists(tmp_path / "run")
+
+
+def overrides(command: str) -> dict:
+    """``{KEY: VALUE}`` of the ``--config.KEY=VALUE`` words of an example command."""
+    words = command.split()
+    return dict(w[len("--config.") :].split("=", 1) for w in words if w.startswith("--config."))
+
+
+def test_the_example_after_invalid_values_is_a_valid_command(tmp_path):
+    path = os.path.join(REPO, DIGITS)
+    argv = ["main", f"--config={path}", "--config.rho=-1", "--config.lr=0.1"]
+    argv += ["--config.dropout=2.0", f"--workdir={tmp_path / 'run'}"]
+    config = cli.load_config_file(path)
+    config.rho, config.lr, config.dropout = -1.0, 0.1, 2.0
+    with pytest.raises(cli.UsageError) as error:
+        cli.preflight(config, str(tmp_path / "run"), argv)
+    example = str(error.value).split("For example:\n", 1)[1].strip()
+    assert example.startswith("python -m sagm_jax.main ")
+    assert "--config.rho=-1" not in example and "--config.dropout=2.0" not in example
+    assert "--config.lr=0.1" in example  # a valid override of the user's is kept
+    # Independently: the example's overrides on the config file give a config with no
+    # problem.
+    fixed = cli.load_config_file(path)
+    for key, value in overrides(example).items():
+        fixed[key] = type(fixed[key])(value)
+    assert config_problems(fixed) == []
+
+
+def test_a_misspelt_key_gets_did_you_mean():
+    config = cli.load_config_file(os.path.join(REPO, DIGITS))
+    with pytest.raises(cli.UsageError) as error:
+        cli.check_overrides(["--config.step=3"], config, DIGITS)
+    message = str(error.value)
+    assert "did you mean `steps`?" in message
+    assert "log_every" not in message  # not every key
+    with pytest.raises(cli.UsageError) as error:
+        cli.check_overrides(["--config.zzzzzz=3"], config, DIGITS)
+    assert "did you mean" not in str(error.value) and "Valid keys: " in str(error.value)
+
+
+def test_the_summary_labels_environments_as_the_tables_do(capsys):
+    from sagm_jax import collect_results, train
+
+    records = []
+    for step, accs in ((0, [0.1, 0.5, 0.5]), (10, [0.25, 0.8, 0.9])):
+        record = {"step": step, "args": {"dataset": "RotatedDigits"}}
+        for env, acc in enumerate(accs):
+            record[f"env{env}_in_acc"], record[f"env{env}_out_acc"] = acc, acc * (env > 0)
+        records.append(record)
+    train.print_summary(records, [0], ["0", "15", "30"])
+    out = capsys.readouterr().out
+    assert "env0 0° (test)" in out and "env1 15° (train)" in out and "env0 0 (test)" not in out
+    assert out.rstrip().endswith("env0 0° 25.0%")
+    train.print_summary(records[:1], [0], None)  # no names: the index alone
+    assert "env0 (test)" in capsys.readouterr().out
+    # The tables' header for the same environments.
+    ood = type("Sweep", (), {"test_envs": {"RotatedDigits": [0, 1]}, "methods": []})()
+    table = collect_results.dataset_table(ood, "RotatedDigits", ["0", "15"], "x", False, "±")
+    assert "| Algorithm | 0° | 15° | Avg |" in table

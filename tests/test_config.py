@@ -304,3 +304,94 @@ def test_every_config_file_is_registered_with_its_dataset():
     rotated = registry.get_spec("RotatedMNIST").domains
     assert rotated == ("0", "15", "30", "45", "60", "75")
     assert registry.get_spec("ColoredMNIST").domains == ("+90%", "+80%", "-90%")
+
+
+# --- values that make no sense (issue 21, item 4) ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    "values,expected",
+    [
+        (dict(rho=1e9), "config.rho=1000000000.0: expected a number in [0, 10]"),
+        (dict(steps=10**20), "config.steps=100000000000000000000: expected an integer <= 2147483647"),
+        (dict(dataset="PACS", image_size=7), "config.image_size=7: expected an integer >= 32"),
+        (dict(dataset="PACS", image_size=1), "config.image_size=1: expected an integer >= 32"),
+        (dict(test_envs=(0, 1, 2, 3, 4, 5)), "leaves no training environment"),
+    ],
+)
+def test_values_that_make_no_sense_are_bounded(values, expected):
+    config = unlocked(**{"store_short_side": 320, **values})
+    problems = config_problems(config)
+    assert len(problems) == 1 and expected in problems[0], problems
+
+
+def test_the_bounds_keep_sensible_values():
+    # ASAM's largest published rho (2.0), ResNet at its total stride (32 px), a long run.
+    for values in (dict(rho=2.0, adaptive=True), dict(dataset="PACS", image_size=32)):
+        assert config_problems(unlocked(**values)) == [], values
+    assert config_problems(unlocked(steps=2**31 - 1)) == []
+    # The MNIST CNN reads 28x28 digits and never image_size.
+    assert config_problems(unlocked(arch="mnist_cnn", image_size=7, store_short_side=7)) == []
+
+
+# --- settings that do not change the result (issue 21, item 5) --------------------------
+
+
+def _md5_seed(config_dict, dropped):
+    """DomainBed's seed_hash of the config without ``dropped``: computed here, not by
+    sagm_jax."""
+    import hashlib
+    import json
+
+    kept = {k: v for k, v in config_dict.items() if k not in dropped}
+    text = json.dumps(kept, sort_keys=True, default=str)
+    return int(hashlib.md5(text.encode("utf-8")).hexdigest(), 16) % 2**31
+
+
+RESULT_FREE = dict(cache_dir="/elsewhere", data_dir="/moved", store_budget_gb=1.0, log_every=7)
+
+
+def test_settings_that_do_not_change_the_result_keep_hparams_seed():
+    from sagm_jax.rundir import hparams_seed
+
+    config = base_config().to_dict()
+    expected = _md5_seed(
+        config,
+        {"test_envs", "all_test_envs", "trial_seed", "seed", "num_devices"}
+        | set(RESULT_FREE),
+    )
+    assert hparams_seed(config) == expected
+    for key, value in RESULT_FREE.items():
+        assert hparams_seed({**config, key: value}) == expected, key
+    assert hparams_seed({**config, "num_devices": 4}) == expected  # global perturbation
+    # Real hyperparameters, and the device count where it changes the result (m-sharpness).
+    assert hparams_seed({**config, "lr": 1e-3}) != expected
+    per_device = {**config, "perturbation": "per_device"}
+    assert hparams_seed({**per_device, "num_devices": 4}) != hparams_seed(per_device)
+
+
+def test_the_result_tables_group_runs_across_such_settings():
+    from sagm_jax.collect_results import setting_key
+
+    config = base_config().to_dict()
+
+    def record(**values):
+        return {"args": {}, "config": {**config, **values}}
+
+    assert setting_key(record(**RESULT_FREE)) == setting_key(record())
+    assert setting_key(record(lr=1e-3)) != setting_key(record())
+
+
+def test_a_relaunch_changing_only_such_settings_is_accepted(tmp_path):
+    from sagm_jax.rundir import RunDir, write_json
+
+    config = base_config().to_dict()
+    write_json(str(tmp_path / "config.json"), config)
+    run = RunDir(str(tmp_path))
+    run.check_config({**config, **RESULT_FREE, "num_devices": 2})
+    with pytest.raises(ValueError, match=r"keys \['lr'\] differ"):
+        run.check_config({**config, **RESULT_FREE, "lr": 1e-3})
+    with pytest.raises(ValueError, match=r"keys \['num_devices'\] differ"):
+        per_device = {**config, "perturbation": "per_device"}
+        write_json(str(tmp_path / "config.json"), per_device)
+        run.check_config({**per_device, "num_devices": 2})

@@ -499,3 +499,17 @@ def test_the_command_runs_from_anywhere_as_a_module(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: python -m sagm_jax.sweep")
     assert "{launch,status,delete_incomplete}" in out.stdout
+
+
+def test_help_documents_the_grid_arguments(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--help"])
+    assert exit_.value.code == 0
+    # The description above "options:" also names these words: read the options only.
+    options = " ".join(capsys.readouterr().out.split("options:", 1)[1].split())
+    datasets = options.split("--datasets", 1)[1].split("--algorithms", 1)[0]
+    assert "RotatedDigits" in datasets and "PACS" in datasets
+    algorithms = options.split("--algorithms", 1)[1].split("--test_envs", 1)[0]
+    assert "erm" in algorithms and "sagm" in algorithms and "sagm_jax.optimizers" in algorithms
+    test_envs = options.split("--test_envs", 1)[1].split("--trial_seeds", 1)[0]
+    assert "all_with_pairs" in test_envs and "all" in test_envs and "0,1" in test_envs

@@ -78,27 +78,42 @@ def write_image_tree(root, domains=("art", "photo", "sketch"), classes=("cat", "
                 Image.fromarray(pixels).save(root / d / c / f"{k}.jpg")
 
 
+def tiny_folder_config(tmp_path, **overrides):
+    """An ImageFolder run of ``tmp_path/data`` (write_image_tree) with the MNIST CNN on
+    16x16 inputs, ERM, small batches."""
+    config = base_config()
+    config.update(
+        dict(
+            dataset="ImageFolder",
+            data_dir=str(tmp_path / "data"),
+            arch="mnist_cnn",
+            pretrained_weights="none",
+            image_size=16,
+            batch_per_env=4,
+            eval_batch_size=8,
+            algorithm="erm",
+        )
+    )
+    config.update(overrides)
+    return config
+
+
 @pytest.mark.slow
 def test_image_folder_with_pretrained_resnet18(tmp_path):
     write_image_tree(tmp_path / "data")
     weights = synthetic.draw_torchvision_weights("resnet18", seed=0)
     weights_file = str(tmp_path / "resnet18.safetensors")
     models.save_weights(weights, weights_file)
-    config = base_config()
-    config.update(
-        dict(
-            dataset="ImageFolder",
-            data_dir=str(tmp_path / "data"),
-            arch="resnet18",
-            pretrained_weights=weights_file,
-            image_size=32,
-            batch_per_env=4,
-            steps=2,
-            eval_every=1,
-            eval_batch_size=8,
-            test_envs=(1,),
-            lr=1e-4,
-        )
+    config = tiny_folder_config(
+        tmp_path,
+        arch="resnet18",
+        pretrained_weights=weights_file,
+        image_size=32,
+        steps=2,
+        eval_every=1,
+        test_envs=(1,),
+        lr=1e-4,
+        algorithm=base_config().algorithm,
     )
     records = train.train_and_evaluate(config, str(tmp_path / "run"))
     assert [r["step"] for r in records] == [0, 1]
@@ -114,21 +129,7 @@ def test_image_folder_with_pretrained_resnet18(tmp_path):
 @pytest.mark.slow
 def test_all_test_envs_runs_each_environment(tmp_path, capsys):
     write_image_tree(tmp_path / "data", n=3)
-    config = base_config()
-    config.update(
-        dict(
-            dataset="ImageFolder",
-            data_dir=str(tmp_path / "data"),
-            arch="mnist_cnn",
-            pretrained_weights="none",
-            image_size=16,
-            batch_per_env=4,
-            steps=1,
-            eval_batch_size=8,
-            all_test_envs=True,
-            algorithm="erm",
-        )
-    )
+    config = tiny_folder_config(tmp_path, steps=1, all_test_envs=True)
     table = train.train_and_evaluate(config, str(tmp_path / "run"))
     assert sorted(table) == [0, 1, 2]
     for env in range(3):
@@ -530,3 +531,88 @@ def test_mnist_like_images_keep_their_shape_and_scale(tmp_path):
     np.testing.assert_array_equal(train.preprocess(workdir, as_stored), as_stored)
     with pytest.raises(ValueError, match=r"shape \(28, 28, 1\); got a batch of shape"):
         train.preprocess(workdir, np.zeros((2, 32, 32, 3), np.uint8))
+
+
+# --- a run's data and records are checked when it resumes or is relaunched done -----------
+
+
+def resumable_folder_config(tmp_path):
+    """A tiny image-folder run on the device input path: evaluations after steps 0, 2, 4."""
+    return tiny_folder_config(
+        tmp_path,
+        cache_dir=str(tmp_path / "cache"),
+        input="device",
+        steps=5,
+        eval_every=2,
+        test_envs=(1,),
+    )
+
+
+class _Stopped(Exception):
+    pass
+
+
+def stop_after_checkpoint(monkeypatch, step):
+    """The next run stops right after saving the checkpoint of ``step``, as a kill would."""
+    save = train.Checkpoints.save
+
+    def save_then_stop(self, t, state, validation):
+        save(self, t, state, validation)
+        if t == step:
+            raise _Stopped
+
+    monkeypatch.setattr(train.Checkpoints, "save", save_then_stop)
+
+
+def _file_bytes(folder):
+    return {n: (folder / n).read_bytes() for n in ("split.json", "results.jsonl")}
+
+
+@pytest.mark.slow
+def test_a_dataset_changed_under_a_run_is_refused_on_resume_and_when_done(tmp_path, monkeypatch):
+    write_image_tree(tmp_path / "data")  # art has 8 images, 4 per class
+    run = tmp_path / "run"
+    with monkeypatch.context() as patched:
+        stop_after_checkpoint(patched, 2)
+        with pytest.raises(_Stopped):
+            train.train_one_run(resumable_folder_config(tmp_path), str(run))
+    before = _file_bytes(run)
+    extra = tmp_path / "data" / "art" / "cat" / "extra.jpg"
+    Image.fromarray(np.zeros((20, 20, 3), np.uint8)).save(extra)
+    with pytest.raises(ValueError, match=r"split.json.*environment `art`: 8 -> 9 images") as e:
+        train.train_one_run(resumable_folder_config(tmp_path), str(run))
+    assert "'in'" in str(e.value) and "--workdir" in str(e.value)
+    assert _file_bytes(run) == before  # split.json never rewritten, no record added
+    # Restoring the data, as the message says, resumes the run.
+    os.remove(extra)
+    records = train.train_one_run(resumable_folder_config(tmp_path), str(run))
+    assert [r["step"] for r in records] == [0, 2, 4]
+    # A finished run relaunched on changed data.
+    os.remove(tmp_path / "data" / "art" / "dog" / "0.jpg")
+    changed = r"environment `art`: 8 -> 7 images \(class `dog`: 4 -> 3\)"
+    with pytest.raises(ValueError, match=changed):
+        train.train_one_run(resumable_folder_config(tmp_path), str(run))
+
+
+@pytest.mark.slow
+def test_a_lost_or_repeated_record_is_refused_on_resume_and_when_done(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    with monkeypatch.context() as patched:
+        stop_after_checkpoint(patched, 2)
+        with pytest.raises(_Stopped):
+            train.train_one_run(digits_config(), str(run))
+    results = run / "results.jsonl"
+    lines = results.read_text().splitlines(keepends=True)
+    assert [json.loads(line)["step"] for line in lines] == [0, 2]
+    results.write_text(lines[0])  # `sed -i 2d`: the record of step 2 lost
+    with pytest.raises(rundir.RecordsError, match=r"results.jsonl: missing step\(s\) \[2\]"):
+        train.train_one_run(digits_config(), str(run))
+    results.write_text("".join(lines))
+    train.train_one_run(digits_config(), str(run))
+    lines = results.read_text().splitlines(keepends=True)
+    results.write_text("".join(lines[:2] + lines[1:]))  # step 2 duplicated
+    with pytest.raises(rundir.RecordsError, match=r"results.jsonl: repeated step\(s\) \[2\]"):
+        train.train_one_run(digits_config(), str(run))
+    results.write_text("".join(lines[:2]))  # the last one lost
+    with pytest.raises(rundir.RecordsError, match=r"missing step\(s\) \[4\]"):
+        train.train_one_run(digits_config(), str(run))

@@ -14,13 +14,22 @@ Checks, done when a dataset is opened (``scan_image_folder``):
   expected layout and where to get the data);
 * every domain has the same class folders, and no class folder is empty
   (``DatasetLayoutError`` naming the folders);
+* symlinks are followed, as ImageFolder does, so a dataset may be assembled from links
+  to domain folders, class folders or files elsewhere; but each folder and each image is
+  reached once: a symlink loop (``ln -s . cat/loop``, or up to the dataset folder), a
+  folder reached twice (a link into another class, which would relabel its images) or an
+  image listed twice (a link next to its target) is a ``DatasetLayoutError`` naming the
+  link and its target (``_LinkGuard``). torchvision follows such loops until the path is
+  too deep and lists every image again at each level;
 * every image file decodes with PIL (``Image.open().verify()``, then a full
   ``load()``): else ``BadImageError`` naming the files, or, with
   ``skip_bad_files=True``, the files are dropped and reported (returned and logged).
   DomainBed itself sets PIL's ``LOAD_TRUNCATED_IMAGES`` and trains on truncated
   files silently; we refuse them unless told to skip. The result of the check is
   cached under ``cache_dir`` by a key over every file's relative path, size and
-  modification time, so a changed file is checked again.
+  modification time, so a changed file is checked again. A damaged cache file is
+  checked again and rewritten, and a cache that cannot be written (read-only) is only
+  a warning: the images are then checked on every run.
 
 The fingerprint of the files used: counts per domain and class, the total, and the
 SHA-256 of the sorted relative file list (posix separators, one path a line).
@@ -29,6 +38,7 @@ SHA-256 of the sorted relative file list (posix separators, one path a line).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -110,20 +120,66 @@ def _check_all(root: str, files: list[str], cache_dir: str | None) -> dict[str, 
         st = os.stat(path)
         key.update(f"{_relative(root, path)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     cache_file = os.path.join(cache_dir, key.hexdigest() + ".json") if cache_dir else None
-    if cache_file and os.path.exists(cache_file):
-        with open(cache_file) as f:
-            return {rel: tuple(v) for rel, v in json.load(f).items()}
+    if cache_file:
+        cached = _read_checks(cache_file)
+        if cached is not None:
+            return cached
     workers = min(32, (os.cpu_count() or 1) * 2)
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         results = pool.map(check_image, files, chunksize=64)
         notable = {_relative(root, p): r for p, r in zip(files, results) if r[0] or r[1]}
     if cache_file:
+        _write_checks(cache_dir, cache_file, notable)
+    return notable
+
+
+def _read_checks(cache_file: str) -> dict[str, tuple] | None:
+    """The cached checks, or None if there are none. A damaged file is logged and None
+    returned, so the images are checked again and the file rewritten (as a damaged
+    store is rebuilt): a cache never decides what a run reads."""
+    try:
+        with open(cache_file) as f:
+            cached = json.load(f)
+        checks = {rel: (error, needs_pil) for rel, (error, needs_pil) in cached.items()}
+        if not all(
+            isinstance(error, (str, type(None))) and isinstance(needs_pil, bool)
+            for error, needs_pil in checks.values()
+        ):
+            raise ValueError("an entry is not [error or null, needs_pil]")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError, AttributeError) as e:  # truncated, not a dict...
+        log.warning(
+            "The decode-check cache %s is damaged (%s: %s); the images are checked again "
+            "and the file rewritten.",
+            cache_file,
+            type(e).__name__,
+            e,
+        )
+        return None
+    return checks
+
+
+def _write_checks(cache_dir: str, cache_file: str, notable: dict) -> None:
+    """Write the checks to ``cache_file`` (atomic). A cache that cannot be written (a
+    read-only or shared folder) is logged, not an error: the run reads the images, and
+    only the next run pays for checking them again."""
+    tmp = f"{cache_file}.{os.getpid()}.tmp"
+    try:
         os.makedirs(cache_dir, exist_ok=True)
-        tmp = f"{cache_file}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump(notable, f)
         os.replace(tmp, cache_file)
-    return notable
+    except OSError as e:
+        log.warning(
+            "The decode-check cache %s is read-only or cannot be written (%s): the images "
+            "were checked, but the result is not cached and the next run checks them again. "
+            "Make the folder writable or set cache_dir to a writable folder.",
+            cache_dir,
+            e,
+        )
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
 
 
 def scan_image_folder(
@@ -166,10 +222,21 @@ def scan_image_folder(
 
 def _list_files(root: str, env_names: list[str]) -> tuple[list[str], list[list[tuple[str, int]]]]:
     """Class names and every domain's (path, label) list; DatasetLayoutError on a bad tree."""
+    links = _LinkGuard(root)
+    class_names = _class_names(root, env_names, links)
+    files_per_env = [
+        _list_domain_files(os.path.join(root, domain), class_names, links) for domain in env_names
+    ]
+    links.check_linked_files()
+    return class_names, files_per_env
+
+
+def _class_names(root: str, env_names: list[str], links: _LinkGuard) -> list[str]:
+    """The class folders every domain has; each domain and class folder reached once."""
     class_names = None
-    files_per_env: list[list[tuple[str, int]]] = []
     for domain in env_names:
         domain_dir = os.path.join(root, domain)
+        links.add(domain_dir, "domain folder", root)
         classes = splits_lib.list_classes(domain_dir)
         if not classes:
             raise DatasetLayoutError(
@@ -187,23 +254,118 @@ def _list_files(root: str, env_names: list[str]) -> tuple[list[str], list[list[t
                 f"{domain!r}: {only_here}; only in {first_domain!r}: {only_there}. Every domain "
                 "must have the same class folders (labels are their sorted order)."
             )
-        files_per_env.append(_list_domain_files(domain_dir, classes))
-    return class_names, files_per_env
+        for cls in classes:  # all of them before any is walked: a link into one is caught
+            links.add(os.path.join(domain_dir, cls), "class folder", domain_dir)
+    return class_names
 
 
-def _list_domain_files(domain_dir: str, classes: list[str]) -> list[tuple[str, int]]:
+def _list_domain_files(domain_dir: str, classes: list[str], links) -> list[tuple[str, int]]:
     """(path, label) of one domain's files, class by class; DatasetLayoutError on an empty class."""
     env_files = []
     for label, cls in enumerate(classes):
-        found = splits_lib.list_class_files(os.path.join(domain_dir, cls))
+        found = splits_lib.list_class_files(os.path.join(domain_dir, cls), links.add_sub_folders)
         if not found:
             raise DatasetLayoutError(
                 f"Empty class folder {os.path.join(domain_dir, cls)}: no files with an image "
                 f"extension {splits_lib.IMAGE_EXTENSIONS} (case-insensitive), nested folders "
                 "included."
             )
+        links.note_linked_files(found)
         env_files.extend((p, label) for p in found)
     return env_files
+
+
+class _LinkGuard:
+    """Symlinks are followed (datasets are often assembled from links to elsewhere), but
+    each folder and each image of the tree is reached once: a loop would list the same
+    images again and again, and a link into another class would relabel its images.
+
+    ``reached``: real path of each folder -> (the path it was reached by, what it is, the
+    symlink it was reached through or None); ``folders``: walked path -> (real path, that
+    symlink). Folders below an unlinked one take their real path from it, so only links
+    cost a ``realpath``."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.reached: dict[str, tuple[str, str, str | None]] = {}
+        self.folders: dict[str, tuple[str, str | None]] = {}
+        self.listed: set[str] = set()  # real paths of the folders whose images are listed
+        self.linked_files: list[tuple[str, str, str]] = []  # (real path, path, link text)
+        self.add(root, "the dataset folder")
+
+    def add(self, path: str, what: str, parent: str | None = None) -> None:
+        """Register the folder ``path`` (in the walked folder ``parent``); raise if reached."""
+        is_link = os.path.islink(path)
+        link = f"{path} -> {os.readlink(path)}" if is_link else None
+        if parent is None:
+            real = os.path.realpath(path)
+        elif is_link:
+            real = os.path.realpath(path)
+            self._refuse_loop(real, self.folders[parent][0], link)
+        else:  # below an unlinked folder: no realpath needed
+            parent_real, link = self.folders[parent]
+            real = os.path.join(parent_real, os.path.basename(path))
+        if real in self.reached:
+            first, first_what, first_link = self.reached[real]
+            links = " and ".join(dict.fromkeys(x for x in (link, first_link) if x))
+            through = f", through the symlink {links}" if links else ""
+            raise DatasetLayoutError(
+                f"Folder {real} is reached twice under {self.root}: as {path} and as {first} "
+                f"({first_what}){through}. Its images would be listed "
+                "twice, under two labels if the two are in different classes. Remove the link "
+                "(a folder may be linked into the dataset once)."
+            )
+        self.reached[real] = (path, what, link)
+        self.folders[path] = (real, link)
+        if what not in ("the dataset folder", "domain folder"):
+            self.listed.add(real)
+
+    def _refuse_loop(self, real: str, parent_real: str, link: str) -> None:
+        def contains(folder, inner):
+            return inner == folder or inner.startswith(folder.rstrip(os.sep) + os.sep)
+
+        if contains(real, self.folders[self.root][0]):
+            inside = f"the dataset folder {self.root}, so every class's images would be "
+            inside += "listed again and again, labelled as this one"
+        elif contains(real, parent_real):
+            inside = "the folder the link is in, so its images would be listed again and again"
+        else:
+            return
+        raise DatasetLayoutError(
+            f"Symlink loop: {link} points to {real}, which contains {inside}. Remove the link."
+        )
+
+    def add_sub_folders(self, folder: str, sub_folders: list[str]) -> None:
+        for name in sorted(sub_folders):
+            self.add(os.path.join(folder, name), "sub-folder", folder)
+
+    def note_linked_files(self, paths: list[str]) -> None:
+        for path in paths:
+            if os.path.islink(path):
+                self.linked_files.append(
+                    (os.path.realpath(path), path, f"{path} -> {os.readlink(path)}")
+                )
+
+    def check_linked_files(self) -> None:
+        """A linked image whose target is listed too (directly or through another link)."""
+        seen = {}
+        for real, path, link in self.linked_files:
+            if real in seen:
+                first, first_link = seen[real]
+            elif (
+                os.path.dirname(real) in self.listed
+                and splits_lib.is_image_file(real)
+                and os.path.isfile(real)
+            ):
+                first, first_link = real, None
+            else:
+                seen[real] = (path, link)
+                continue
+            through = " and ".join(x for x in (link, first_link) if x)
+            raise DatasetLayoutError(
+                f"Image {real} is listed twice under {self.root}: as {path} and as {first}, "
+                f"through the symlink {through}. Remove the extra link."
+            )
 
 
 def _leave_out_bad_files(root, env_names, class_names, files_per_env, notable, skip_bad_files):

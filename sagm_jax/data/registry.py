@@ -41,6 +41,7 @@ class DatasetSpec:
     build: Callable | None = None  # 'array' kind: (data_dir, data_seed) -> ArraySource
     config_file: str | None = None  # its get_config(), relative to the repository
     in_paper: bool = False  # one of the paper's five benchmarks (Table 1's columns)
+    env_unit: str = ""  # after an environment's name in tables and summaries: "°" (15°)
 
     def missing_help(self, data_dir: str) -> str:
         if self.name == "ImageFolder":
@@ -105,7 +106,7 @@ def _benchmark(name, folder, num_classes, total, homepage) -> DatasetSpec:
     )
 
 
-def _array(name, build_name, domains, num_classes) -> DatasetSpec:
+def _array(name, build_name, domains, num_classes, env_unit="") -> DatasetSpec:
     """An in-memory dataset built by ``mnist.<build_name>``, configured by
     ``configs/<build_name>.py``."""
 
@@ -121,6 +122,7 @@ def _array(name, build_name, domains, num_classes) -> DatasetSpec:
         num_classes=num_classes,
         build=build,
         config_file=f"configs/{build_name}.py",
+        env_unit=env_unit,
     )
 
 
@@ -132,9 +134,9 @@ DATASETS: dict[str, DatasetSpec] = {
         *(_benchmark(*row) for row in _BENCHMARKS),
         # Its environments are the folders of the researcher's data_dir.
         DatasetSpec("ImageFolder", "folder", config_file="configs/image_folder.py"),
-        _array("RotatedMNIST", "rotated_mnist", _ROTATION_ENVS, 10),
+        _array("RotatedMNIST", "rotated_mnist", _ROTATION_ENVS, 10, env_unit="°"),
         _array("ColoredMNIST", "colored_mnist", COLOR_ENV_NAMES, 2),
-        _array("RotatedDigits", "rotated_digits", _ROTATION_ENVS, 10),
+        _array("RotatedDigits", "rotated_digits", _ROTATION_ENVS, 10, env_unit="°"),
     )
 }
 
@@ -142,6 +144,16 @@ DATASETS: dict[str, DatasetSpec] = {
 PAPER_DATASETS = tuple(name for name, spec in DATASETS.items() if spec.in_paper)
 # The config file of every dataset that has one.
 CONFIG_FILES = {name: spec.config_file for name, spec in DATASETS.items() if spec.config_file}
+
+
+def env_label(dataset: str, env: int, env_names=None) -> str:
+    """How the result tables and the run summary name environment ``env`` of ``dataset``:
+    its name from ``env_names`` with the dataset's unit (RotatedMNIST's ``15°``, PACS's
+    ``cartoon``), or ``env{env}`` where the names are not known."""
+    if not env_names:
+        return f"env{env}"
+    spec = DATASETS.get(dataset)
+    return env_names[env] + (spec.env_unit if spec else "")
 
 
 def get_spec(name: str) -> DatasetSpec:

@@ -79,10 +79,17 @@ def list_classes(domain_dir: str) -> list[str]:
     return sorted(e.name for e in os.scandir(domain_dir) if e.is_dir())
 
 
-def list_class_files(class_dir: str) -> list[str]:
-    """Image files under one class folder, nested folders included, in ImageFolder order."""
+def list_class_files(class_dir: str, check_folder=None) -> list[str]:
+    """Image files under one class folder, nested folders included, in ImageFolder order.
+    ``check_folder(folder, sub_folders)`` sees each folder before its sub-folders are
+    entered: ``image_folder`` refuses a symlink loop there, before following it."""
+    walked = []
+    for folder, sub_folders, names in os.walk(class_dir, followlinks=True):
+        if check_folder is not None:
+            check_folder(folder, sub_folders)
+        walked.append((folder, names))
     files = []
-    for folder, _, names in sorted(os.walk(class_dir, followlinks=True)):
+    for folder, names in sorted(walked):
         files.extend(os.path.join(folder, name) for name in sorted(names) if is_image_file(name))
     return files
 
@@ -113,12 +120,11 @@ def domainbed_splits(
     return result
 
 
-def write_split_record(workdir: str, dataset) -> str:
-    """Write ``<workdir>/split.json`` for ``dataset`` (``DomainBedData``): its fingerprint
-    and split rule and, per environment, the index lists of each split part (indices into
-    the environment's example order) and, for image folders, the relative file paths of
-    each part. Returns the file path."""
-    os.makedirs(workdir, exist_ok=True)
+def split_record(dataset) -> dict:
+    """The record of ``dataset``'s (``DomainBedData``) split, as JSON reads it back: its
+    fingerprint and split rule and, per environment, the index lists of each split part
+    (indices into the environment's example order) and, for image folders, the relative
+    file paths of each part."""
     relative_paths = dataset.folder.relative_paths() if dataset.folder is not None else None
     envs = []
     for env_index, (name, parts) in enumerate(zip(dataset.env_names, dataset.splits)):
@@ -141,9 +147,109 @@ def write_split_record(workdir: str, dataset) -> str:
         "fingerprint": dataset.fingerprint,
         "environments": envs,
     }
+    return json.loads(json.dumps(record))
+
+
+def write_split_record(workdir: str, dataset) -> str:
+    """Write ``<workdir>/split.json``, the :func:`split_record` of ``dataset``. Returns
+    the file path. Only a run that starts from step 0 writes it; a resumed or finished
+    one checks it (:func:`check_split_record`)."""
+    os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, rundir.SPLIT)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(record, f)
+        json.dump(split_record(dataset), f)
     os.replace(tmp, path)
     return path
+
+
+class DataChangedError(ValueError):
+    """The dataset differs from the one a run's ``split.json`` records."""
+
+
+def check_split_record(workdir: str, dataset) -> None:
+    """Raises :class:`DataChangedError` unless ``dataset`` is the data and split recorded
+    in ``<workdir>/split.json``: a run that resumed, or a finished run relaunched, on
+    other data would mix records of two datasets (or report one it was not trained on)."""
+    path = os.path.join(workdir, rundir.SPLIT)
+    advice = (
+        "restore the data as it was when the run started, or start over with a new "
+        "--workdir."
+    )
+    try:
+        with open(path) as f:
+            recorded = json.load(f)
+    except (OSError, ValueError) as error:
+        raise DataChangedError(
+            f"{path}: cannot read the run's split record ({error}), so the data of this "
+            f"run cannot be checked. Restore the file, or start over with a new --workdir."
+        ) from None
+    changes = split_changes(recorded, split_record(dataset))
+    if changes:
+        raise DataChangedError(
+            f"{path}: the dataset changed since this run started: {'; '.join(changes)}. "
+            f"Its records and checkpoints come from the recorded data; {advice}"
+        )
+
+
+KEPT = ("indices", "files")  # what split.json keeps of each part
+
+
+def split_changes(recorded: dict, current: dict) -> list[str]:
+    """What differs between two :func:`split_record` s, in words (``[]``: the same)."""
+    changes = [
+        f"{key} {recorded.get(key)!r} -> {current.get(key)!r}"
+        for key in ("dataset", "trial_seed", "holdout_fraction", "split")
+        if recorded.get(key) != current.get(key)
+    ]
+    changes += fingerprint_changes(recorded.get("fingerprint", {}), current["fingerprint"])
+    old_envs = {e["name"]: e for e in recorded.get("environments", [])}
+    for env in current["environments"]:
+        old = old_envs.get(env["name"], {})
+        parts = [
+            part
+            for part in sorted(set(env["indices"]) | set(old.get("indices", {})))
+            if any(old.get(k, {}).get(part) != env.get(k, {}).get(part) for k in KEPT)
+        ]
+        if parts:
+            changes.append(f"environment `{env['name']}`: {_parts(parts)} of the split differ")
+    return changes
+
+
+def fingerprint_changes(recorded: dict, current: dict) -> list[str]:
+    """What differs between two dataset fingerprints: image counts per environment and
+    class, the file list, the arrays, the skipped files."""
+    changes = []
+    old_totals, new_totals = recorded.get("domain_totals", {}), current.get("domain_totals", {})
+    for env in list(old_totals) + [e for e in new_totals if e not in old_totals]:
+        old_counts = recorded.get("counts", {}).get(env, {})
+        new_counts = current.get("counts", {}).get(env, {})
+        classes = [
+            f"class `{c}`: {old_counts.get(c, 0)} -> {new_counts.get(c, 0)}"
+            for c in sorted(set(old_counts) | set(new_counts))
+            if old_counts.get(c) != new_counts.get(c)
+        ]
+        old, new = old_totals.get(env, "no"), new_totals.get(env, "no")
+        if old != new:
+            detail = f" ({', '.join(classes)})" if classes else ""
+            changes.append(f"environment `{env}`: {old} -> {new} images{detail}")
+        elif classes:
+            changes.append(f"environment `{env}`: {', '.join(classes)}")
+    counted = {"counts", "domain_totals", "total"}
+    if changes:  # the digests of the files or arrays then differ too
+        counted |= {"files_sha256", "arrays_sha256"}
+    for key in sorted((set(recorded) | set(current)) - counted):
+        if recorded.get(key) != current.get(key):
+            changes.append(FINGERPRINT_WORDS.get(key, f"fingerprint `{key}` differs"))
+    return changes
+
+
+FINGERPRINT_WORDS = {
+    "files_sha256": "the list of image files differs (files renamed, moved or replaced)",
+    "arrays_sha256": "the images or labels differ",
+    "skipped": "the skipped unreadable files differ",
+}
+
+
+def _parts(parts: list[str]) -> str:
+    return "the " + " and ".join(f"'{p}'" for p in parts) + " lists"

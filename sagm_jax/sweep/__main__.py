@@ -33,6 +33,7 @@ import argparse
 import shlex
 import sys
 
+from sagm_jax.optimizers import ALGORITHMS
 from sagm_jax.sweep import jobs as jobs_lib, launchers
 from sagm_jax.sweep.jobs import INCOMPLETE, PRESETS
 
@@ -55,10 +56,29 @@ def parse_args(argv=None):
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("command", choices=["launch", "status", "delete_incomplete"])
-    parser.add_argument("--datasets", nargs="+", required=True)
-    parser.add_argument("--algorithms", nargs="+", default=["sagm"])
-    parser.add_argument("--test_envs", nargs="+", default=["all"])
-    parser.add_argument("--trial_seeds", nargs="+", type=int, default=[0])
+    parser.add_argument(
+        "--datasets",
+        nargs="+",
+        required=True,
+        help=f"Datasets, each run from its config file: {', '.join(jobs_lib.CONFIG_FILES)}.",
+    )
+    parser.add_argument(
+        "--algorithms",
+        nargs="+",
+        default=["sagm"],
+        help=f"Algorithms (sagm_jax.optimizers): {', '.join(ALGORITHMS)}. Default: sagm.",
+    )
+    parser.add_argument(
+        "--test_envs",
+        nargs="+",
+        default=["all"],
+        help="Held-out environment sets: all (each environment alone; the default), "
+        "all_with_pairs (each alone and every pair, as DomainBed's sweep; leave-one-domain-"
+        "out selection needs the pairs), or explicit sets such as 0 1 0,1.",
+    )
+    parser.add_argument(
+        "--trial_seeds", nargs="+", type=int, default=[0], help="Split seeds. Default: 0."
+    )
     parser.add_argument(
         "--hparams",
         choices=sorted(PRESETS),

@@ -337,3 +337,25 @@ def test_the_command_runs_from_anywhere_as_a_module(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout == collect_results.build_report(str(tmp_path / "sweep"), pm="+/-")
+
+
+def test_a_lost_or_repeated_record_is_named_not_tabled(tmp_path, capsys):
+    """A finished run's records say which evaluations it made (its config's steps and
+    eval_every: here 0, 100 and 200). A record deleted (`sed -i 2d`) would move oracle
+    selection silently; the collector names the file and the step instead."""
+    root = tmp_path / "sweep"
+    write_sweep(str(root))
+    results = root / "PACS" / "PACS_domainbed_erm_t0_s0_lr1e-05" / "results.jsonl"
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    for record in records:
+        record["config"].update(steps=201, eval_every=100)
+    lines = [json.dumps(r) + "\n" for r in records]
+    results.write_text("".join(lines))
+    with open(os.path.join(HERE, GOLDEN["oracle_best", False])) as f:
+        assert collect_results.build_report(str(root), "oracle_best") == f.read()
+    results.write_text(lines[0] + lines[2])
+    with pytest.raises(ValueError, match=rf"{results}: missing step\(s\) \[100\]"):
+        collect_results.build_report(str(root), "oracle_best")
+    results.write_text(lines[0] + lines[1] + lines[1] + lines[2])
+    assert collect_results.main(["--input_dir", str(root)]) == 2
+    assert f"{results}: repeated step(s) [100]" in capsys.readouterr().err

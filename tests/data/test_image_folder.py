@@ -1,6 +1,8 @@
 """Reading and checking an image folder (``sagm_jax.data.image_folder``): each kind of bad
 input gets its own clear error; skip_bad_files counts the skips; the caches' one root."""
 
+import functools
+import json
 import logging
 import os
 import shutil
@@ -109,3 +111,161 @@ def test_every_cache_lives_under_one_root(tree, tmp_path, monkeypatch):
     assert len(os.listdir(tmp_path / "env_root" / "verified")) == 1
     data.open_source(ds.folder, image_size=8, mode="cache", workers=1, progress=False)
     assert len(os.listdir(tmp_path / "env_root" / "stores")) == 1
+
+
+# ---- symlinks: followed like torchvision's ImageFolder, but each image listed once ----
+def scan(root):
+    return data.image_folder.scan_image_folder(root, missing_help="", verify_images=False)
+
+
+def written_files(root):
+    """{relative path: class name} of the images the fixture wrote, walked without links."""
+    found = {}
+    for folder, _, names in os.walk(root):
+        for name in names:
+            if not name.endswith(".txt"):
+                rel = os.path.relpath(os.path.join(folder, name), root)
+                found[rel.replace(os.sep, "/")] = rel.split(os.sep)[1]
+    return found
+
+
+def listed_files(index):
+    """{relative path: class name} of what the scan listed (duplicates would collapse, so
+    the total is compared too)."""
+    listed = {}
+    for rels, labels in zip(index.relative_paths(), index.labels):
+        listed.update({r: index.class_names[y] for r, y in zip(rels, labels)})
+    assert len(listed) == sum(len(env) for env in index.paths)
+    return listed
+
+
+@pytest.mark.parametrize("target", [".", "..", "../.."])
+def test_a_symlink_loop_is_named(tree, target):
+    """``ln -s . cat/loop`` listed each file 41 times; ``../..`` (the dataset folder) also
+    labelled every other class's images as cat."""
+    link = os.path.join(tree, "domain_a", "cat", "loop")
+    os.symlink(target, link)
+    with pytest.raises(data.DatasetLayoutError) as err:
+        scan(tree)
+    msg = str(err.value)
+    assert f"{link} -> {target}" in msg and "loop" in msg and "Remove the link" in msg
+
+
+def test_a_link_to_another_class_is_named(tree):
+    """A folder of dog images linked into cat would label them cat (and list them twice)."""
+    os.makedirs(os.path.join(tree, "domain_a", "dog", "more"))
+    write_image(os.path.join(tree, "domain_a", "dog", "more", "m.jpg"), (9, 9), 7, "JPEG")
+    for target in ("../dog", "../dog/more", "../../domain_b/cat"):
+        link = os.path.join(tree, "domain_a", "cat", "linked")
+        os.symlink(target, link)
+        with pytest.raises(data.DatasetLayoutError) as err:
+            scan(tree)
+        assert f"{link} -> {target}" in str(err.value), target
+        assert "twice" in str(err.value)
+        os.remove(link)
+    assert len(scan(tree).paths[0]) == 3 + 3 + 3 + 1  # the tree is fine again
+
+
+def test_a_file_linked_twice_into_one_class_is_named(tree, tmp_path):
+    cat = os.path.join(tree, "domain_a", "cat")
+    os.symlink("img_00.jpg", os.path.join(cat, "copy.jpg"))  # a link next to its target
+    with pytest.raises(data.DatasetLayoutError, match=f"{cat}/copy.jpg -> img_00.jpg"):
+        scan(tree)
+    os.remove(os.path.join(cat, "copy.jpg"))
+    outside = str(tmp_path / "outside.jpg")
+    write_image(outside, (9, 9), 3, "JPEG")
+    os.symlink(outside, os.path.join(cat, "x1.jpg"))  # two links to one file outside
+    os.symlink(outside, os.path.join(cat, "x2.jpg"))
+    with pytest.raises(data.DatasetLayoutError, match=f"{cat}/x2.jpg -> {outside}"):
+        scan(tree)
+
+
+def test_links_to_folders_and_files_outside_the_tree_are_followed(tree, tmp_path):
+    """A dataset assembled from links: a domain folder, a class folder and a file that live
+    elsewhere are listed under their link's path, once, with their class."""
+    expected = written_files(tree)
+    elsewhere = tmp_path / "elsewhere"
+    os.makedirs(elsewhere / "zebras")
+    shutil.move(os.path.join(tree, "domain_b"), elsewhere / "domain_b")
+    os.symlink(elsewhere / "domain_b", os.path.join(tree, "domain_b"))
+    shutil.move(os.path.join(tree, "domain_a", "dog"), elsewhere / "dog")
+    os.symlink(elsewhere / "dog", os.path.join(tree, "domain_a", "dog"))
+    zebra = os.path.join(tree, "domain_c", "Zebra", "img_00.jpg")
+    shutil.move(zebra, elsewhere / "zebras" / "z.jpg")
+    os.symlink(elsewhere / "zebras" / "z.jpg", zebra)
+    assert listed_files(scan(tree)) == expected
+
+
+# ---- the decode-check cache: a bad one is rebuilt, a read-only one is read ----
+@pytest.mark.parametrize("damage", [lambda text: text[:7], lambda text: "[1, 2]"])
+def test_a_corrupt_check_cache_is_rebuilt_with_a_warning(tree, tmp_path, caplog, damage):
+    """A truncated ``verified/<key>.json`` was 'Expecting value: line 1 column 8', no file
+    named; now it is checked again: the broken file is still found, the cache rewritten."""
+    bad = _break_files(tree)[0]
+    with pytest.raises(data.BadImageError):
+        load(tree, tmp_path)
+    (cache_file,) = [str(p) for p in (tmp_path / "cache").iterdir()]
+    with open(cache_file) as f:
+        text = f.read()
+    with open(cache_file, "w") as f:
+        f.write(damage(text))
+    with caplog.at_level(logging.WARNING), pytest.raises(data.BadImageError, match=bad):
+        load(tree, tmp_path)
+    assert cache_file in caplog.text and "checked again" in caplog.text
+    with open(cache_file) as f:
+        assert os.path.relpath(bad, tree) in json.load(f)
+
+
+def test_a_file_where_the_check_cache_folder_should_be(tree, tmp_path, caplog):
+    """The cache cannot be written (a file in the way: refused by the file system even for
+    root): the images are checked without caching, with a warning naming the folder."""
+    blocker = tmp_path / "cache"
+    blocker.write_text("not a folder")
+    bad = _break_files(tree)[0]
+    with caplog.at_level(logging.WARNING), pytest.raises(data.BadImageError, match=bad):
+        load(tree, tmp_path)
+    assert str(blocker) in caplog.text and "not cached" in caplog.text
+    assert blocker.read_text() == "not a folder"
+
+
+def test_a_read_only_cache_with_a_store_but_no_checks_is_read(tree, tmp_path, monkeypatch, caplog):
+    """A shared read-only cache holding a valid store and no ``verified/`` folder: the run
+    reads the store and checks the images without caching. The folder is made read-only by
+    chmod; root ignores that, so then os.makedirs also refuses to create anything new in it
+    (what a read-only file system does), and existing folders pass as they would."""
+    cache = tmp_path / "shared"
+    ds = data.load("ImageFolder", tree, trial_seed=0, cache_dir=None)
+    built = data.open_source(
+        ds.folder, image_size=8, mode="cache", cache_dir=str(cache), workers=1, progress=False
+    )
+    before = sorted(str(p) for p in cache.rglob("*"))
+    for path in [cache, *cache.rglob("*")]:
+        path.chmod(0o555 if path.is_dir() else 0o444)
+    if os.geteuid() == 0:
+        makedirs = os.makedirs
+
+        def read_only_makedirs(name, mode=0o777, exist_ok=False):
+            if str(name).startswith(str(cache)) and not os.path.isdir(name):
+                raise PermissionError(13, "Permission denied", str(name))
+            makedirs(name, mode, exist_ok)
+
+        monkeypatch.setattr(os, "makedirs", read_only_makedirs)
+    open_store = functools.partial(
+        data.CanvasSource.open, mode="cache", cache_dir=str(cache), workers=1, progress=False
+    )
+    try:
+        with caplog.at_level(logging.WARNING):
+            again = data.load(
+                "ImageFolder",
+                tree,
+                trial_seed=0,
+                image_size=8,
+                cache_dir=str(cache / "verified"),
+                open_images=open_store,
+            )
+    finally:
+        for path in [cache, *cache.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+    assert again.source.images.path == built.path
+    assert sorted(str(p) for p in cache.rglob("*")) == before  # nothing written
+    assert str(cache / "verified") in caplog.text and "not cached" in caplog.text
