@@ -56,6 +56,16 @@ def parse_args(argv=None):
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("command", choices=["launch", "status", "delete_incomplete"])
+    _grid_arguments(parser)
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--dry_run", action="store_true", help="List the commands; run nothing.")
+    parser.add_argument("--yes", action="store_true", help="delete_incomplete without asking.")
+    _launcher_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def _grid_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments that name the jobs: the grid and the overrides every job gets."""
     parser.add_argument(
         "--datasets",
         nargs="+",
@@ -102,9 +112,10 @@ def parse_args(argv=None):
         help="Config overrides for every job (part of the job's hash); repeatable, each "
         "--set adds its keys.",
     )
-    parser.add_argument("--output_dir", required=True)
-    parser.add_argument("--dry_run", action="store_true", help="List the commands; run nothing.")
-    parser.add_argument("--yes", action="store_true", help="delete_incomplete without asking.")
+
+
+def _launcher_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the jobs run: local processes, or SLURM array tasks through submitit."""
     parser.add_argument(
         "--launcher",
         choices=["local", "slurm", "submitit_local"],
@@ -125,7 +136,6 @@ def parse_args(argv=None):
         "--time_min", type=int, default=240, help="Time limit per job; it requeues when hit."
     )
     cluster.add_argument("--array_parallelism", type=int, default=256, help="Jobs at a time.")
-    return parser.parse_args(argv)
 
 
 def make_jobs(args) -> list[jobs_lib.Job]:
