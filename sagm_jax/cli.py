@@ -4,9 +4,10 @@ Owns everything around the training call: ``--help`` (the flags, then every conf
 field with its value and meaning from :data:`sagm_jax.config.FIELDS`); the checks of
 the command line before absl parses it (``--config`` missing or unreadable, unknown
 keys); the checks of the loaded config before anything heavy starts, which list every
-missing input at once with the flag that supplies it; the default run directory; one
-message and a non-zero exit instead of a traceback for the errors a user can fix; the
-message after Ctrl-C; and a quiet TensorFlow start-up.
+missing input at once with the flag that supplies it (data, weights files and their
+format, values, a workdir that cannot be made or written), and print its warnings; the
+default run directory; one message and a non-zero exit instead of a traceback for the
+errors a user can fix; the message after Ctrl-C; and a quiet TensorFlow start-up.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import json
 import os
 import re
 import shlex
+import shutil
 import sys
+import tempfile
 import textwrap
 from typing import Callable, Sequence
 
@@ -265,13 +268,27 @@ def _folder_test_envs_problem(config, root: str) -> str | None:
 
 
 def _workdir_problem(workdir: str) -> str | None:
+    """Whether the run directory can be made and written, found by making (and removing)
+    a probe folder holding a probe file in its nearest existing ancestor: permission bits
+    say nothing of /proc, /sys or a read-only mount, where only the attempt fails. A
+    workdir that did not exist is not left behind."""
     path = os.path.abspath(workdir)
     while not os.path.exists(path):
         path = os.path.dirname(path)
     if not os.path.isdir(path):
         return f"--workdir={workdir}: {path} is a file, so the run directory cannot be made there."
-    if not os.access(path, os.W_OK | os.X_OK):
-        return f"--workdir={workdir}: {path} is not writable; choose a directory you can write."
+    try:
+        probe = tempfile.mkdtemp(prefix=".sagm_jax-probe-", dir=path)
+        try:
+            with open(os.path.join(probe, "probe"), "w") as handle:
+                handle.write("probe")
+        finally:
+            shutil.rmtree(probe, ignore_errors=True)
+    except OSError as error:
+        return (
+            f"--workdir={workdir}: cannot create a folder and write a file in {path} "
+            f"({error.strerror or error}); choose a directory you can write."
+        )
     return None
 
 
@@ -283,7 +300,11 @@ def preflight(
 ) -> None:
     """UsageError listing EVERYTHING that stops the run from starting (data, weights,
     values, workdir), each with the flag that fixes it, and an example command.
-    ``device_count`` bounds ``config.num_devices`` (None: not known yet)."""
+    ``device_count`` bounds ``config.num_devices`` (None: not known yet). Settings that
+    are likely slips but may be meant (:func:`sagm_jax.config.config_warnings`) are
+    printed as warnings, before the problems."""
+    for warning in config_lib.config_warnings(config):
+        _say(f"{PROGRAM}: warning: {warning}")
     problems = [p for p in (_data_problem(config), _workdir_problem(workdir)) if p]
     problems += config_lib.config_problems(config, device_count, check_files=True)
     if not problems:
@@ -318,6 +339,8 @@ def _example(config, workdir: str, argv: Sequence[str], device_count) -> list[st
     data = _data_problem(config)
     if data and data.startswith("config.test_envs="):
         invalid.add("test_envs")
+    if config.arch not in models.WEIGHTS_FILES and config_lib.weights_problem(config):
+        invalid.add("pretrained_weights")  # weights given to a network that takes none
     drop_workdir = _workdir_problem(workdir) is not None
     example, overridden, words = [], set(), iter(argv[1:])
     for arg in words:

@@ -7,7 +7,9 @@ fields its dataset needs; ``--config.key=value`` overrides on the command line.
 owns it (``sagm_jax.train.optimizer_from_config`` takes ``"optimizer"``).
 :func:`config_problems` runs every field's check and lists every value the run cannot
 honour, one line each, naming the key and what was expected (:func:`validate` raises
-them). The names a field accepts come from their one registry each: datasets from
+them); :func:`weights_problem` is the one check of the weights (with the file's format
+before a run); :func:`config_warnings` lists settings that are likely slips but may be
+meant. The names a field accepts come from their one registry each: datasets from
 ``sagm_jax.data.registry``, architectures from ``sagm_jax.models.ARCHS``, algorithms from
 ``sagm_jax.optimizers.ALGORITHMS``; the weights files from ``sagm_jax.models``.
 """
@@ -27,6 +29,7 @@ from sagm_jax.formatting import flag_value
 from sagm_jax.models import ARCHS, WEIGHTS_FILES, weights_url
 from sagm_jax.models.mnist_cnn import CONV_LAYERS, GROUPNORM_GROUPS
 from sagm_jax.models.resnet import ARCHITECTURES as RESNET_ARCHS, MIXSTYLE_STAGES
+from sagm_jax.models.torchvision_weights import ACCEPTED_FORMATS, weights_file_problem
 from sagm_jax.optimizers import ALGORITHMS, GSAM_ALPHA, SAGM_ALPHA
 
 # A field's check: (value, config, device_count) -> None, or what was expected.
@@ -519,13 +522,22 @@ def field_problems(
 
 
 def weights_problem(config: ml_collections.ConfigDict, check_file: bool = False) -> str | None:
-    """What keeps a ResNet from starting where the paper does, from torchvision's ImageNet
-    weights: ``config.pretrained_weights`` left empty or, with ``check_file``, naming no
-    file. None when the weights are there, the network has none (the MNIST CNN), or
-    ``"none"`` asks for a start from scratch."""
+    """What keeps the network from starting from ``config.pretrained_weights``: weights
+    given to a network that takes none (the MNIST CNN); for a ResNet, the paper's start
+    from torchvision's ImageNet weights left empty or, with ``check_file``, a path that
+    names no file or a file that is not a weights file (its extension and first bytes;
+    found before the data is read, not after). None when the weights are there, the
+    network takes none and none are given, or ``"none"`` asks for a start from scratch."""
     arch, weights = config.get("arch"), config.get("pretrained_weights")
-    if arch not in WEIGHTS_FILES or not isinstance(weights, str) or weights.lower() == "none":
+    if not isinstance(weights, str) or weights.lower() == "none":
         return None
+    if arch not in WEIGHTS_FILES:
+        return (
+            f"--config.pretrained_weights={weights}: config.arch={arch} takes no weights "
+            f"(torchvision's ImageNet weights fit {', '.join(WEIGHTS_FILES)}); leave it empty."
+            if weights and arch in ARCHS
+            else None
+        )
     get = (
         f"The paper starts from torchvision's ImageNet {arch}: download {weights_url(arch)} "
         "(reading a .pth needs torch, a CPU build; or convert it once with "
@@ -537,7 +549,29 @@ def weights_problem(config: ml_collections.ConfigDict, check_file: bool = False)
         return f"--config.pretrained_weights=FILE is missing. {get}"
     if check_file and not os.path.isfile(weights):
         return f"--config.pretrained_weights={weights}: no such file. {get}"
+    if check_file and (why := weights_file_problem(weights)):
+        return (
+            f"--config.pretrained_weights={weights}: not a weights file ({why}). Accepted: "
+            f"{ACCEPTED_FORMATS}. {get}"
+        )
     return None
+
+
+def config_warnings(config: ml_collections.ConfigDict) -> list[str]:
+    """Settings a researcher may mean but that are most likely a slip, one line each,
+    naming the keys and the flag that undoes it; the command line prints them before a
+    run starts."""
+    weights = config.get("pretrained_weights")
+    scratch = isinstance(weights, str) and weights.lower() == "none"
+    if config.get("arch") in RESNET_ARCHS and scratch and config.get("freeze_batchnorm") is True:
+        return [
+            f"config.pretrained_weights={weights} with config.freeze_batchnorm=True: "
+            f"the {config.arch}'s BatchNorm keeps its initial statistics (mean 0, variance 1) "
+            "for the whole run and never learns the data's; "
+            "--config.freeze_batchnorm=False trains it (frozen BatchNorm is meant for "
+            "pretrained weights)."
+        ]
+    return []
 
 
 def validate(config: ml_collections.ConfigDict, device_count: int | None = None) -> None:

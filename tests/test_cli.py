@@ -313,3 +313,69 @@ def test_the_summary_labels_environments_as_the_tables_do(capsys):
     ood = type("Sweep", (), {"test_envs": {"RotatedDigits": [0, 1]}, "methods": []})()
     table = collect_results.dataset_table(ood, "RotatedDigits", ["0", "15"], "x", False, "±")
     assert "| Algorithm | 0° | 15° | Avg |" in table
+
+
+# --- issue 21, items 11, 12 and 14: the first hour ------------------------------------
+
+
+@pytest.mark.parametrize("parent", ["/proc", "/sys"])
+def test_a_workdir_that_cannot_be_created_is_a_pre_start_problem(tmp_path, parent):
+    workdir = os.path.join(parent, "sagm_jax_test", "run")
+    config = mnist_config("RotatedDigits")
+    with pytest.raises(cli.UsageError) as error:
+        cli.preflight(config, workdir, ["main", f"--workdir={workdir}"])
+    message = flat(str(error.value))
+    assert "1 thing(s) to fix" in message
+    assert f"--workdir={workdir}: " in message and "choose a directory you can write" in message
+    assert not os.path.exists(workdir)
+
+
+def test_main_refuses_a_workdir_under_proc_before_anything_starts(tmp_path):
+    result = main(f"--config={DIGITS}", "--workdir=/proc/sagm_jax_test/run", timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "--workdir=/proc/sagm_jax_test/run: " in result.stderr
+    assert "Traceback" not in result.stderr and "Run directory:" not in result.stdout
+
+
+def test_the_workdir_probe_leaves_nothing_behind(tmp_path):
+    config = mnist_config("RotatedDigits")
+    (tmp_path / "existing").mkdir()
+    (tmp_path / "existing" / "results.jsonl").write_text("")
+    for workdir in (tmp_path / "new" / "run", tmp_path / "existing"):
+        cli.preflight(config, str(workdir), ["main"])
+    assert sorted(os.listdir(tmp_path)) == ["existing"]
+    assert os.listdir(tmp_path / "existing") == ["results.jsonl"]
+
+
+def test_a_text_file_as_weights_is_named_before_the_data_is_read(tmp_path):
+    weights = tmp_path / "resnet50-0676ba61.pth"
+    weights.write_text("<html>Access denied</html>")
+    config = base_config()
+    config.update(dict(dataset="PACS", data_dir=str(tmp_path), pretrained_weights=str(weights)))
+    with pytest.raises(cli.UsageError) as error:
+        cli.preflight(config, str(tmp_path / "run"), ["main"])
+    message = flat(str(error.value))
+    assert f"--config.pretrained_weights={weights}: not a weights file" in message
+
+
+def test_weights_for_the_mnist_cnn_are_a_pre_start_problem(tmp_path):
+    config = mnist_config("RotatedDigits")
+    config.pretrained_weights = "resnet50-0676ba61.pth"
+    argv = ["main", "--config.pretrained_weights=resnet50-0676ba61.pth"]
+    with pytest.raises(cli.UsageError) as error:
+        cli.preflight(config, str(tmp_path / "run"), argv)
+    message = flat(str(error.value))
+    assert "1 thing(s) to fix" in message and "config.arch=mnist_cnn" in message
+    example = message.split("For example: ", 1)[1]
+    assert "pretrained_weights" not in example  # the example drops the weights
+
+
+def test_a_resnet_from_scratch_with_frozen_batchnorm_is_warned_before_the_run(tmp_path, capsys):
+    config = base_config()
+    config.update(dict(dataset="ImageFolder", data_dir=str(tmp_path), pretrained_weights="none"))
+    cli.preflight(config, str(tmp_path / "run"), ["main"])  # a warning, not a problem
+    err = flat(capsys.readouterr().err)
+    assert "warning:" in err and "--config.freeze_batchnorm=False" in err
+    config.freeze_batchnorm = False
+    cli.preflight(config, str(tmp_path / "run"), ["main"])
+    assert "warning" not in capsys.readouterr().err

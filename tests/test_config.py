@@ -4,6 +4,7 @@ import glob
 import os
 import runpy
 
+import numpy as np
 import pytest
 from ml_collections import ConfigDict
 
@@ -12,6 +13,7 @@ from sagm_jax.config import (
     all_fields,
     base_config,
     config_problems,
+    config_warnings,
     flat_keys,
     section,
     validate,
@@ -106,7 +108,9 @@ def test_mixstyle_needs_a_resnet():
 def unlocked(**values):
     """The base config with ``values``, in a ConfigDict that takes values of any type
     (as a config file that builds its own ConfigDict may)."""
-    return ConfigDict({**base_config().to_dict(), "pretrained_weights": "w.pth", **values})
+    # A ResNet starts from a weights file; the MNIST CNN takes none.
+    weights = "" if values.get("arch") == "mnist_cnn" else "w.pth"
+    return ConfigDict({**base_config().to_dict(), "pretrained_weights": weights, **values})
 
 
 BAD_VALUES = [
@@ -247,12 +251,90 @@ def test_the_weights_problem_is_one_line_with_where_to_get_them(tmp_path):
 
 
 def test_only_the_command_lines_check_looks_for_the_weights_file(tmp_path):
-    config = unlocked(arch="resnet50", pretrained_weights=str(tmp_path / "w.pth"))
+    config = unlocked(arch="resnet50", pretrained_weights=str(tmp_path / "w.npz"))
     assert weights_problem(config) is None and config_problems(config) == []
     (problem,) = config_problems(config, check_files=True)
-    assert problem.startswith(f"--config.pretrained_weights={tmp_path / 'w.pth'}: no such file.")
-    (tmp_path / "w.pth").write_bytes(b"")
+    assert problem.startswith(f"--config.pretrained_weights={tmp_path / 'w.npz'}: no such file.")
+    np.savez(tmp_path / "w.npz", weight=np.zeros(3, np.float32))
     assert config_problems(config, check_files=True) == []
+
+
+# --- issue 21, items 12 and 14: weights files and weights the network cannot take ----------
+
+
+def _safetensors(header: bytes, data: bytes) -> bytes:
+    """A .safetensors file written by hand from its published layout: an 8-byte
+    little-endian header length, the JSON header, then the data."""
+    return len(header).to_bytes(8, "little") + header + data
+
+
+GOOD_HEADER = b'{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
+NOT_WEIGHTS = [
+    ("w.pth", b"<!DOCTYPE html><html>404 Not Found</html>"),  # a failed download
+    ("w.pt", b""),
+    ("w.safetensors", b"version https://git-lfs.github.com/spec/v1\n"),  # an LFS pointer
+    ("w.safetensors", _safetensors(GOOD_HEADER, b"\0" * 8)[:40]),  # truncated header
+    ("w.safetensors", _safetensors(GOOD_HEADER, b"\0" * 4)),  # truncated data
+    ("w.safetensors", _safetensors(b"[1, 2]", b"")),  # header not a JSON object
+    ("w.npz", b"PK\x03\x04 and then nothing"),  # a zip cut short: no central directory
+    ("w.npz", b"0123456789" * 10),
+    ("w.bin", b"PK\x03\x04"),  # an extension no reader takes
+    ("w.h5", b"\x89HDF\r\n\x1a\n"),
+]
+
+
+@pytest.mark.parametrize(
+    "name,content", NOT_WEIGHTS, ids=[f"{i}-{name}" for i, (name, _) in enumerate(NOT_WEIGHTS)]
+)
+def test_a_file_that_is_not_weights_is_a_problem_before_the_run(tmp_path, name, content):
+    path = tmp_path / name
+    path.write_bytes(content)
+    config = unlocked(arch="resnet50", pretrained_weights=str(path))
+    (problem,) = config_problems(config, check_files=True)
+    assert problem.startswith(f"--config.pretrained_weights={path}: not a weights file"), problem
+    for suffix in (".pth", ".pt", ".safetensors", ".npz"):
+        assert suffix in problem
+    assert weights_problem(config) is None  # without check_file, the file is not read
+
+
+def test_weights_files_of_every_accepted_format_pass_the_check(tmp_path):
+    import pickle
+    import zipfile
+
+    files = {
+        "legacy.pth": pickle.dumps({"fc.bias": [0.0]}, protocol=2),  # torch.save before 1.6
+        "w.safetensors": _safetensors(GOOD_HEADER, b"\0" * 8),
+    }
+    for name, content in files.items():
+        (tmp_path / name).write_bytes(content)
+    with zipfile.ZipFile(tmp_path / "zip.pth", "w") as archive:  # torch.save since 1.6
+        archive.writestr("archive/data.pkl", pickle.dumps({}, protocol=2))
+    np.savez(tmp_path / "w.npz", weight=np.zeros(3, np.float32))
+    for name in ("legacy.pth", "w.safetensors", "zip.pth", "w.npz"):
+        config = unlocked(arch="resnet18", pretrained_weights=str(tmp_path / name))
+        assert config_problems(config, check_files=True) == [], name
+
+
+def test_weights_given_to_the_mnist_cnn_are_refused():
+    config = unlocked(dataset="RotatedDigits", arch="mnist_cnn", pretrained_weights="w.pth")
+    (problem,) = config_problems(config)
+    assert problem.startswith("--config.pretrained_weights=w.pth: config.arch=mnist_cnn"), problem
+    assert "resnet18, resnet50" in problem or "resnet50, resnet18" in problem
+    for weights in ("", "none", "None"):
+        config.pretrained_weights = weights
+        assert config_problems(config, check_files=True) == [], weights
+
+
+def test_a_resnet_from_scratch_with_frozen_batchnorm_is_warned_about():
+    (warning,) = config_warnings(unlocked(arch="resnet50", pretrained_weights="none"))
+    assert "config.freeze_batchnorm=True" in warning
+    assert "--config.freeze_batchnorm=False" in warning
+    for values in (
+        dict(arch="resnet18", pretrained_weights="None", freeze_batchnorm=False),
+        dict(arch="resnet50", pretrained_weights="w.pth"),  # the paper's setting
+        dict(dataset="RotatedDigits", arch="mnist_cnn"),  # GroupNorm, no BatchNorm
+    ):
+        assert config_warnings(unlocked(**values)) == [], values
 
 
 def test_flat_keys_name_nested_fields_as_the_command_line_does():

@@ -33,6 +33,11 @@ that already runs JAX threads is safe) decode contiguous chunks of files and wri
 them straight into the memory-mapped files. The build happens in a temporary folder
 next to the final one and is renamed into place (atomic): when two processes build
 at once, the first rename wins and the other uses that store and deletes its own.
+A build killed outright (SIGKILL, out of memory) leaks nothing for long: its workers get
+a death signal when the building process dies (``_die_with_parent``), and the build
+folder, named ``.build-<key>-<pid>-<host>-*``, is removed by the next build in that
+cache once no process of that PID runs on that host (``_remove_orphaned_builds``;
+other hosts' build folders on a shared file system are left alone).
 
 Open: the manifest, the data files' sizes and their CRC-32 are checked every time; a
 store that fails (no manifest, truncated, changed bytes) is logged with the reason and
@@ -59,6 +64,8 @@ fine texture reduced exactly 2x, by 3.1 on average, 36 at most
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
+import ctypes.util
 import datetime
 import hashlib
 import itertools
@@ -67,8 +74,12 @@ import logging
 import math
 import multiprocessing
 import os
+import re
 import shutil
+import signal
+import socket
 import tempfile
+import threading
 import time
 import uuid
 import zlib
@@ -496,12 +507,87 @@ def _warn_stale(stores_dir: str, root: str, key: str, image_size: int, short_sid
             )
 
 
+def _owner_host() -> str:
+    """This host and PID namespace, hashed to 8 hex digits: a PID means one process only
+    within them (a container with its own PID namespace has another tag)."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:  # not Linux
+        namespace = ""
+    return hashlib.sha256(f"{socket.gethostname()}\0{namespace}".encode()).hexdigest()[:8]
+
+
+def _build_prefix(key: str) -> str:
+    """Name prefix of a build folder: the store key, the owner's PID and host (``_BUILD_NAME``)."""
+    return f".build-{key[:16]}-{os.getpid()}-{_owner_host()}-"
+
+
+_BUILD_NAME = re.compile(r"\.build-[0-9a-f]{16}-(\d+)-([0-9a-f]{8})-[^-]+")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
+
+
+def _remove_orphaned_builds(stores_dir: str) -> None:
+    """Remove the ``.build-*`` folders of builds whose owner process on this host is gone
+    (killed mid-build), and ``.discard-*`` folders (garbage by definition). A build
+    folder of a live owner, of another host (a shared file system: its PIDs mean nothing
+    here), or of a version before owners were recorded is left alone; a dead owner's PID
+    reused by another process only delays the removal until that one ends."""
+    here = _owner_host()
+    for name in os.listdir(stores_dir):
+        path = os.path.join(stores_dir, name)
+        owner = _BUILD_NAME.fullmatch(name)
+        if name.startswith(".discard-"):
+            shutil.rmtree(path, ignore_errors=True)
+        elif owner and owner[2] == here and not _pid_alive(int(owner[1])):
+            log.warning("Removing %s, left by a build whose process %s is gone.", path, owner[1])
+            try:
+                _discard(path)
+            except OSError as e:  # another user's folder: not ours to remove
+                log.warning("Could not remove %s (%s); delete it by hand.", path, e)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Worker initializer: end this worker when the building process dies (SIGKILL gives it
+    no chance to stop its pool), instead of leaving it blocked on a pipe. Linux: the
+    kernel's parent-death signal (sent when the thread that started the pool exits: the
+    pool lives inside one call, so that thread outlives it); elsewhere a thread that
+    polls the parent's PID."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        armed = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) == 0
+    except (OSError, AttributeError):  # no prctl: not Linux
+        armed = False
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+    if not armed:
+        threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os._exit(1)
+
+
 def _build(index, paths, sizes, key, final, *, image_size, short_side, workers, progress):
     """Decode ``paths`` into a new store, renamed into place at ``final`` (atomic); open it."""
     n = len(paths)
     shapes = _stored_shapes(sizes, short_side)
     offsets = np.concatenate([[0], np.cumsum(shapes.astype(np.int64).prod(axis=1) * 3)])
-    tmp = tempfile.mkdtemp(prefix=f".build-{key[:16]}-", dir=os.path.dirname(final))
+    _remove_orphaned_builds(os.path.dirname(final))
+    tmp = tempfile.mkdtemp(prefix=_build_prefix(key), dir=os.path.dirname(final))
     start = time.perf_counter()
     try:
         pixels_path, eval_path = _allocate(tmp, shapes, offsets, n * image_size * image_size * 3)
@@ -562,7 +648,10 @@ def _run_decode_jobs(jobs: list, workers: int, n: int, *, progress: bool) -> Non
             return
         context = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(
-            min(workers, len(jobs)), mp_context=context
+            min(workers, len(jobs)),
+            mp_context=context,
+            initializer=_die_with_parent,
+            initargs=(os.getpid(),),
         ) as pool:
             futures = [pool.submit(_decode_chunk, job) for job in jobs]
             try:

@@ -5,6 +5,8 @@ variables:
 
 * ``WEIGHTS_FILES`` and ``weights_url(arch)``: which file of torchvision's each
   architecture starts from, and where it is downloaded.
+* ``weights_file_problem(path)`` says, from a few bytes of the file, why it is not a
+  weights file of an accepted format (checked before a run, before the data is read).
 * ``load_weights(path)`` reads a state dict from a torchvision ``.pth`` (with
   torch, the optional extra ``sagm_jax[torch]``), or from a ``.safetensors`` or
   ``.npz`` file (no torch), and returns it with the file's SHA-256, so every run
@@ -33,7 +35,9 @@ BatchNorm ``weight``/``bias`` are our ``scale``/``bias`` params and
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import zipfile
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -268,6 +272,70 @@ def file_sha256(path: str | os.PathLike) -> str:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+# What each accepted extension holds, as the "not a weights file" message lists it.
+ACCEPTED_FORMATS = (
+    ".pth/.pt (torch.save: a zip archive, or a pickle before torch 1.6), .safetensors, "
+    ".npz (a NumPy zip archive)"
+)
+# A .safetensors header is a few KB for a ResNet; a larger length is not a header.
+MAX_SAFETENSORS_HEADER = 100 << 20
+
+
+def _zip_problem(path: str, head: bytes, expected: str) -> str | None:
+    if not head.startswith(b"PK\x03\x04"):
+        return f"{expected}; this one starts with {head[:8]!r}"
+    if not zipfile.is_zipfile(path):  # the archive's directory is at its end
+        return "it is a zip archive cut short (no central directory at its end: truncated?)"
+    return None
+
+
+def _safetensors_problem(path: str, head: bytes, size: int) -> str | None:
+    length = int.from_bytes(head[:8], "little")
+    if size < 8 or length > min(size - 8, MAX_SAFETENSORS_HEADER) or head[8:9] != b"{":
+        return (
+            "a .safetensors file starts with its header's length (8 bytes, little-endian) "
+            f"and a JSON header '{{...}}'; this one starts with {head[:12]!r} and holds "
+            f"{size} bytes"
+        )
+    with open(path, "rb") as handle:
+        handle.seek(8)
+        try:
+            header = json.loads(handle.read(length))
+            tensors = [t for k, t in header.items() if k != "__metadata__"]
+            end = max((t["data_offsets"][1] for t in tensors), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return "its .safetensors header is not the JSON object of tensors it should be"
+    if 8 + length + end > size:
+        held = size - 8 - length
+        return f"its header lists {end} bytes of tensors but the file holds {held}: truncated?"
+    return None
+
+
+def weights_file_problem(path: str | os.PathLike) -> str | None:
+    """Why the existing file ``path`` is not a weights file that :func:`load_weights`
+    reads (its extension, its first bytes, a zip's directory or a .safetensors header
+    against its size), or None. Cheap: reads the header, never the tensors."""
+    path = os.fspath(path)
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix not in SUPPORTED_SUFFIXES:
+        return f"its extension {suffix or '(none)'!r} is not one of {', '.join(SUPPORTED_SUFFIXES)}"
+    size = os.path.getsize(path)
+    with open(path, "rb") as handle:
+        head = handle.read(16)
+    if not head:
+        return "it is empty"
+    if suffix == ".safetensors":
+        return _safetensors_problem(path, head, size)
+    if suffix == ".npz":
+        return _zip_problem(path, head, "a .npz is a zip archive (first bytes PK\\x03\\x04)")
+    if head[:1] == b"\x80":  # a pickle's protocol byte: torch.save before torch 1.6
+        return None
+    expected = (
+        f"a {suffix} is a zip archive (first bytes PK\\x03\\x04) or a pickle (first byte 0x80)"
+    )
+    return _zip_problem(path, head, expected)
 
 
 def _load_pth(path: str) -> dict[str, np.ndarray]:

@@ -6,7 +6,11 @@ import concurrent.futures
 import logging
 import os
 import re
+import signal
+import subprocess
+import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -316,3 +320,132 @@ def test_sixteen_bit_pixels_are_pils(sixteen_bit_index, tmp_path, mode):
         h, w = hw[k]
         np.testing.assert_array_equal(images[k, :h, :w], pil_rgb(path), err_msg=path)
         np.testing.assert_array_equal(evals[k], expected_eval(path), err_msg=path)
+
+
+# ---- a build killed with SIGKILL (issue 21, item 6) ---------------------------------
+_KILLED_BUILD = """
+import os, sys, time
+from sagm_jax.data import image_folder, store
+
+def slow_chunk(job):  # marks that a worker exists, then outlasts the test
+    open(os.path.join(sys.argv[3], str(os.getpid())), "w").close()
+    time.sleep(120)
+
+def dies_mid_build(job):
+    os._exit(3)
+
+if __name__ == "__main__":
+    tree, cache, markers, how = sys.argv[1:5]
+    store._decode_chunk = slow_chunk if how == "workers" else dies_mid_build
+    index = image_folder.scan_image_folder(tree, missing_help="", cache_dir=None)
+    store.open_source(index, image_size=16, short_side=24, mode="cache", cache_dir=cache,
+                      workers=2 if how == "workers" else 1, progress=False)
+"""
+
+
+def _start_build(tmp_path, tree, how):
+    """A subprocess building the store of ``tree`` in ``tmp_path/cache`` (see _KILLED_BUILD)."""
+    script, markers = tmp_path / "build.py", tmp_path / "markers"
+    script.write_text(_KILLED_BUILD)
+    markers.mkdir(exist_ok=True)
+    args = [str(script), str(tree), str(tmp_path / "cache"), str(markers), how]
+    return subprocess.Popen([sys.executable, *args]), markers
+
+
+def _children(pid):
+    """PIDs whose parent is ``pid``, read from /proc/<pid>/stat (field 4)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def _running(pid):
+    """Whether ``pid`` exists and is not a zombie (state Z: dead, not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds processes through /proc")
+def test_sigkilled_build_leaves_no_worker_processes(tmp_path):
+    """SIGKILL of the building process ends its two decoding workers and the resource tracker
+    within seconds (they used to stay, parent 1, blocked on a pipe)."""
+    make_index(tmp_path / "tree", domains=("d0",), files=FILES[:4])
+    child, markers = _start_build(tmp_path, tmp_path / "tree", "workers")
+    orphans = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(os.listdir(markers)) < 2 and time.monotonic() < deadline:
+            assert child.poll() is None, f"the build exited with {child.returncode}"
+            time.sleep(0.1)
+        assert len(os.listdir(markers)) == 2, "the two workers did not start within 60 s"
+        orphans = _children(child.pid)
+        workers = {int(name) for name in os.listdir(markers)}
+        assert workers <= set(orphans)
+        child.kill()
+        child.wait()
+        deadline = time.monotonic() + 5
+        while any(map(_running, orphans)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [pid for pid in orphans if _running(pid)]
+        assert not left, f"processes of the killed build still run: {left}"
+    finally:
+        child.kill()
+        for pid in orphans:  # this test's own processes, should the fix fail
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_next_build_removes_dead_owners_build_folders_only(tmp_path):
+    """A build folder whose process died mid-build is removed by the next build; one whose
+    owner (a build under way in this process) is alive is kept and finishes."""
+    cache = tmp_path / "cache"
+    dead_tree, live_tree = tmp_path / "dead", tmp_path / "live"
+    dead_index = make_index(dead_tree, domains=("d0",), files=FILES[:2])
+    live_index = make_index(live_tree, domains=("d0",), files=FILES[2:4])
+    child, _ = _start_build(tmp_path, dead_tree, "exit")
+    assert child.wait(timeout=60) == 3
+    stale = [name for name in stores_in(cache) if name.startswith(".build-")]
+    assert len(stale) == 1  # what the killed build left
+
+    live_started, release = threading.Event(), threading.Event()
+    real = store._decode_chunk
+
+    def decode(job):  # the live build waits inside its decoding until released
+        if str(live_tree) in job[4][0]:
+            live_started.set()
+            assert release.wait(timeout=30)
+        return real(job)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        store._decode_chunk = decode
+        try:
+            live = pool.submit(open_store, live_index, cache)
+            assert live_started.wait(timeout=30)
+            building = [n for n in stores_in(cache) if n.startswith(".build-")]
+            live_folder = [n for n in building if n not in stale]
+            rebuilt = open_store(dead_index, cache)
+            assert stale[0] not in stores_in(cache)  # removed: its owner is gone
+            assert len(live_folder) == 1 and live_folder[0] in stores_in(cache)  # kept
+        finally:
+            release.set()
+            store._decode_chunk = real
+        live = live.result()
+    assert sorted(stores_in(cache)) == sorted(
+        os.path.basename(s.path) for s in (rebuilt, live)
+    )
+    for built_store, index in ((rebuilt, dead_index), (live, live_index)):
+        ids = np.arange(len(built_store))
+        want = [expected_stored(p) for p in flat(index)]
+        got, hw = built_store.gather(ids)
+        for k, image in enumerate(want):
+            np.testing.assert_array_equal(got[k, : hw[k][0], : hw[k][1]], image)

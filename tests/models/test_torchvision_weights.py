@@ -158,3 +158,21 @@ def test_every_resnet_names_the_torchvision_file_it_starts_from():
     for arch, file in models.WEIGHTS_FILES.items():
         assert file.startswith(f"{arch}-") and file.endswith(".pth")
         assert models.weights_url(arch) == f"https://download.pytorch.org/models/{file}"
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".npz"])
+def test_the_format_check_takes_written_files_and_refuses_them_cut_short(tmp_path, suffix):
+    # Files written by the safetensors and NumPy libraries, then cut: the cheap check
+    # (first bytes, header, zip directory) must agree with the full reader.
+    from sagm_jax.models.torchvision_weights import weights_file_problem
+
+    path = tmp_path / f"w{suffix}"
+    arrays = {"fc.weight": np.arange(600, dtype=np.float32).reshape(6, 100), "fc.bias": np.ones(6)}
+    models.save_weights(arrays, path, metadata={"arch": "test"} if suffix != ".npz" else None)
+    assert weights_file_problem(path) is None
+    content = path.read_bytes()
+    for cut in (len(content) - 1, len(content) // 2, 12):
+        path.write_bytes(content[:cut])
+        with pytest.raises(ValueError):
+            models.load_weights(path)  # the full reader refuses it too
+        assert weights_file_problem(path), cut
