@@ -11,7 +11,8 @@ import pytest
 
 from sagm_jax import sharpness_curves
 from sagm_jax import train
-from sagm_jax.config import mnist_config
+
+from run_fixtures import digits_config
 
 
 @pytest.mark.slow
@@ -19,17 +20,8 @@ from sagm_jax.config import mnist_config
 def test_sharpness_curves_of_a_finished_run(tmp_path, perturbation):
     """Per-device (m-sharpness) runs load as global ones do: the script restores the
     parameters without rebuilding the optimizer."""
-    config = mnist_config("RotatedDigits")
-    config.update(
-        dict(
-            batch_per_env=8,
-            steps=3,
-            eval_every=2,
-            eval_batch_size=64,
-            cnn_widths=(8, 16, 16, 16),
-            test_envs=(2,),
-            perturbation=perturbation,
-        )
+    config = digits_config(
+        steps=3, cnn_widths=(8, 16, 16, 16), test_envs=(2,), perturbation=perturbation
     )
     run_dir = tmp_path / "sweep" / "run0"
     train.train_and_evaluate(config, str(run_dir))

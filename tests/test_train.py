@@ -19,24 +19,10 @@ from sagm_jax.data import device_augment, store
 from sagm_jax.config import base_config, mnist_config
 from sagm_jax.models import synthetic
 
+from run_fixtures import digits_config
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The tests that train real runs are marked slow: left out of `pytest -m "not slow"`.
-
-
-def digits_config(**overrides):
-    config = mnist_config("RotatedDigits")
-    config.update(
-        dict(
-            batch_per_env=8,
-            steps=5,
-            eval_every=2,
-            log_every=1,
-            eval_batch_size=64,
-            cnn_widths=(16, 32, 32, 32),
-        )
-    )
-    config.update(overrides)
-    return config
 
 
 def restore_params(workdir, which="latest"):
