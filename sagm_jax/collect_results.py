@@ -46,26 +46,61 @@ import argparse
 import collections
 import json
 import os
+import shlex
 import sys
+import warnings
 
 import numpy as np
+import scipy.stats
 
-from sagm_jax import rundir, selection
+from sagm_jax import methods, rundir, selection
 from sagm_jax.data.registry import PAPER_DATASETS, env_label  # the tables' columns
 from sagm_jax.sweep.jobs import ARGS
 
-# The tables' names of sagm_jax.optimizers.ALGORITHMS (a test checks that they name
-# exactly those), in the order of the paper's rows.
-ALGORITHM_NAMES = {
-    "erm": "ERM",
-    "sam": "SAM",
-    "gsam": "GSAM",
-    "erm_sam": "ERM + SAM",
-    "sagm": "SAGM",
-}
-ALGORITHM_ORDER = tuple(ALGORITHM_NAMES)
-ABLATION_ALGORITHMS = ("erm", "sam", "erm_sam", "sagm")
 MIXSTYLE = " + MixStyle"
+ERM = methods.method_label("erm", "erm")  # the reference row of Table 2's arrows
+# The paper's order of the update rules in Tables 1 and 3 (a test checks that it names
+# exactly the heads of sagm_jax.methods), and Table 3's ablation rows.
+HEAD_ORDER = ("sam", "gsam", "erm_sam", "sagm")
+ABLATION_ALGORITHMS = ("erm", "sam", "erm_sam", "sagm")
+# The objectives that the paper's Table 2 pairs with ERM ("ERM + Mixup", "ERM + CutMix");
+# the other objectives follow the procedures, as DomainBed's rows.
+TABLE_2_OBJECTIVES = ("mixup", "cutmix")
+
+
+def _row_order() -> tuple[str, ...]:
+    """Every method row, in the paper's order: ERM, its Table 2 objectives and MixStyle,
+    the procedures, DomainBed's other objectives, the heads (each followed by its
+    MixStyle row), then the heads' combinations with objectives, then DISAM's rows:
+    each label from ``methods.method_label``, each combination one that
+    ``methods.combination_problem`` accepts."""
+    label = methods.method_label
+    others = [o for o in methods.OBJECTIVES if o not in ("erm", *TABLE_2_OBJECTIVES)]
+    rows = [label("erm", "erm"), *(label(o, "erm") for o in TABLE_2_OBJECTIVES)]
+    rows.append(label("erm", "erm") + MIXSTYLE)
+    rows += [label("erm", p) for p in methods.PROCEDURES]
+    rows += [label(o, "erm") for o in others]
+    rows += [name for h in HEAD_ORDER for name in (label("erm", h), label("erm", h) + MIXSTYLE)]
+    for disam in (0.0, 1.0):
+        rows += [
+            label(o, h, disam)
+            for h in HEAD_ORDER
+            for o in methods.OBJECTIVES
+            if (o != "erm" or disam) and methods.combination_problem(o, h, disam) is None
+        ]
+    return tuple(rows)
+
+
+ROW_ORDER = _row_order()
+# The rows of the paper's Table 2, shown with "-" when the sweep has no runs of them.
+TABLE_2_ROWS = (
+    *ROW_ORDER[: ROW_ORDER.index(ERM + MIXSTYLE) + 1],
+    *(methods.method_label("erm", p) for p in methods.PROCEDURES),
+    *(methods.method_label("erm", h) for h in ("sam", "gsam", "sagm")),
+    methods.method_label("erm", "sagm") + MIXSTYLE,
+)
+SIGNIFICANCE = 0.05  # Table 2's arrows: Welch's two-sided t-test against ERM, p < this
+ARROWS = {False: ("↑", "↓"), True: ("$\\uparrow$", "$\\downarrow$")}  # by latex
 NOT_TEST_KEYS = ("test_envs", "all_test_envs")  # what differs between runs of one setting
 DOMAINBED = " (DomainBed)"  # marks the methods of records written by DomainBed
 DOMAINBED_STEPS = 5001  # DomainBed's N_STEPS when a run leaves --steps unset
@@ -120,13 +155,25 @@ def is_domainbed(record: dict) -> bool:
     return "config" not in record
 
 
+def method_of(record: dict) -> tuple[str, str, float]:
+    """``(objective, algorithm, disam_lambda)`` of one of our records; records written
+    before objectives and DISAM existed have neither: ``erm`` and 0."""
+    config = record["config"]
+    algorithm = config.get("algorithm", record["args"]["algorithm"])
+    return config.get("objective", "erm"), algorithm, float(config.get("disam_lambda") or 0)
+
+
 def method_name(record: dict) -> str:
-    algorithm = record["args"]["algorithm"]
+    """The row of a record: ``methods.method_label`` (+ " + MixStyle"), or DomainBed's
+    ``args.algorithm`` + " (DomainBed)"."""
     if is_domainbed(record):
-        return f"{algorithm}{DOMAINBED}"
-    return ALGORITHM_NAMES.get(algorithm, algorithm) + (
-        MIXSTYLE if record["config"].get("mixstyle") else ""
-    )
+        return f"{record['args']['algorithm']}{DOMAINBED}"
+    objective, algorithm, disam = method_of(record)
+    if objective in methods.OBJECTIVES and algorithm in methods.UPDATE_RULES:
+        label = methods.method_label(objective, algorithm, disam)
+    else:  # a name this version does not know: shown as recorded
+        label = algorithm if objective == "erm" else f"{algorithm} + {objective}"
+    return label + (MIXSTYLE if record["config"].get("mixstyle") else "")
 
 
 def setting_key(record: dict) -> str:
@@ -243,15 +290,40 @@ class Sweep:
         ]
         return mean_and_se(values, len(self.seeds[dataset]))
 
-    def dataset_cell(self, dataset, method) -> Cell | None:
-        """Per seed the mean over ALL the dataset's test environments; incomplete seeds
-        are not averaged in (the cell then shows how many seeds it has)."""
-        per_seed = []
+    def per_seed(self, dataset, method) -> list[float]:
+        """Per trial seed, the mean over ALL the dataset's test environments; seeds
+        missing one of them are left out."""
+        values = []
         for seed in self.seeds.get(dataset, []):
             accs = [self.acc.get((dataset, method, seed, env)) for env in self.test_envs[dataset]]
             if None not in accs:
-                per_seed.append(np.mean(accs))
-        return mean_and_se(per_seed, len(self.seeds.get(dataset, [])))
+                values.append(float(np.mean(accs)))
+        return values
+
+    def dataset_cell(self, dataset, method) -> Cell | None:
+        """The mean and s.e. of :meth:`per_seed` (incomplete seeds are not averaged in:
+        the cell then shows how many seeds it has)."""
+        return mean_and_se(self.per_seed(dataset, method), len(self.seeds.get(dataset, [])))
+
+
+def significance_arrow(values, reference, latex: bool) -> str:
+    """Table 2's mark of a cell whose per-seed ``values`` differ significantly from ERM's
+    ``reference``: Welch's two-sided t-test (unequal variances),
+
+        t = (mean(x) - mean(y)) / sqrt(var(x)/n_x + var(y)/n_y)   (var with ddof 1),
+
+    with Welch-Satterthwaite degrees of freedom (``scipy.stats.ttest_ind(equal_var=
+    False)``); "↑" (higher) or "↓" (lower) when p < ``SIGNIFICANCE``, else "". It needs
+    at least 2 seeds on both sides; equal constant samples give no p (NaN) and no arrow."""
+    if len(values) < 2 or len(reference) < 2:
+        return ""
+    with warnings.catch_warnings():  # constant samples: scipy warns and returns NaN
+        warnings.simplefilter("ignore", RuntimeWarning)
+        p = scipy.stats.ttest_ind(values, reference, equal_var=False).pvalue
+    if not p < SIGNIFICANCE:
+        return ""
+    up, down = ARROWS[latex]
+    return up if np.mean(values) > np.mean(reference) else down
 
 
 def dataset_order(name: str):
@@ -261,10 +333,14 @@ def dataset_order(name: str):
 
 
 def method_order(name: str):
+    """Sort key of the rows: ``ROW_ORDER``'s; a MixStyle row not listed there follows its
+    method; other names (DomainBed's) come last, alphabetically."""
     base = name[: -len(MIXSTYLE)] if name.endswith(MIXSTYLE) else name
-    algorithm = next((a for a, n in ALGORITHM_NAMES.items() if n == base), None)
-    rank = ALGORITHM_ORDER.index(algorithm) if algorithm else len(ALGORITHM_ORDER)
-    return (rank, base, name.endswith(MIXSTYLE))
+    if name in ROW_ORDER:
+        return (ROW_ORDER.index(name), 0, name)
+    if base in ROW_ORDER:
+        return (ROW_ORDER.index(base), 1, name)
+    return (len(ROW_ORDER), 0, name)
 
 
 def format_cell(cell: Cell | None, latex: bool, pm: str = PLUS_MINUS[0]) -> str:
@@ -293,7 +369,10 @@ def latex_escape(text: str) -> str:
     return text
 
 
-def render_table(title: str, header: list[str], rows: list[list[str]], latex: bool) -> str:
+def render_table(
+    title: str, header: list[str], rows: list[list[str]], latex: bool, note: str = ""
+) -> str:
+    """A Markdown or LaTeX table; ``note`` (already in the target's markup) follows it."""
     if latex:
         lines = [
             "\\begin{table}[h]",
@@ -305,7 +384,9 @@ def render_table(title: str, header: list[str], rows: list[list[str]], latex: bo
             "\\midrule",
         ]
         lines += [" & ".join([latex_escape(row[0]), *row[1:]]) + " \\\\" for row in rows]
-        lines += ["\\bottomrule", "\\end{tabular}", "\\end{table}"]
+        lines += ["\\bottomrule", "\\end{tabular}"]
+        lines += [f"\\par\\smallskip{{\\footnotesize {note}}}"] if note else []
+        lines.append("\\end{table}")
     else:
         lines = [
             f"### {title}",
@@ -314,6 +395,7 @@ def render_table(title: str, header: list[str], rows: list[list[str]], latex: bo
             "|" + "|".join(["---"] + [":-:"] * (len(header) - 1)) + "|",
         ]
         lines += ["| " + " | ".join(row) + " |" for row in rows]
+        lines += ["", note] if note else []
     return "\n".join(lines)
 
 
@@ -366,29 +448,44 @@ def dataset_table(ood: Sweep, dataset: str, env_names, name: str, latex: bool, p
 
 
 def table_2(in_domain: Sweep, ood: Sweep, name: str, latex: bool, pm: str) -> str:
-    """In-domain next to out-of-domain accuracy, for each dataset with in-domain runs."""
-    header, rows = ["Algorithm"], []
+    """In-domain next to out-of-domain accuracy, for each dataset with in-domain runs:
+    the paper's rows (``TABLE_2_ROWS``, "-" without runs), then every other method
+    with runs. A cell is marked by :func:`significance_arrow` against ERM's seeds."""
+    header = ["Algorithm"]
     for dataset in in_domain.datasets:
         header += [f"{dataset} in-domain", f"{dataset} out-of-domain"]
-    for method in sorted(set(in_domain.methods) | set(ood.methods), key=method_order):
+    swept = set(in_domain.methods) | set(ood.methods)
+    rows = []
+    for method in sorted(swept | set(TABLE_2_ROWS), key=method_order):
         row = [method]
         for dataset in in_domain.datasets:
-            out = ood.dataset_cell(dataset, method) if dataset in ood.seeds else None
-            row += [
-                format_cell(in_domain.dataset_cell(dataset, method), latex, pm),
-                format_cell(out, latex, pm),
-            ]
+            for sweep in (in_domain, ood):
+                values = sweep.per_seed(dataset, method) if dataset in sweep.seeds else []
+                expected = len(sweep.seeds.get(dataset, []))
+                text = format_cell(mean_and_se(values, expected), latex, pm)
+                if method != ERM and values:
+                    reference = sweep.per_seed(dataset, ERM)
+                    text = f"{text} {significance_arrow(values, reference, latex)}".rstrip()
+                row.append(text)
         rows.append(row)
     title = (
         "Table 2: in-domain (60/20/20 split, training-domain validation) vs out-of-domain "
         f"accuracy (%), out-of-domain model selection: {name}"
     )
-    return render_table(title, header, rows, latex)
+    up, down = ARROWS[latex]
+    note = (
+        f"higher / lower than ERM's at p < {SIGNIFICANCE:g} by Welch's two-sided t-test "
+        "(unequal variances; scipy.stats.ttest_ind, equal_var=False) over the "
+        "per-trial-seed values of the cell, with at least 2 trial seeds on both sides."
+    )
+    if latex:
+        note = latex_escape(note).replace("p < ", "$p<$ ")
+    return render_table(title, header, rows, latex, f"{up} / {down}: {note}")
 
 
 def table_3(ood: Sweep, name: str, latex: bool, pm: str) -> str:
     """The ablation rows, with the MixStyle variants of the sweep."""
-    ablation = [ALGORITHM_NAMES[a] for a in ABLATION_ALGORITHMS]
+    ablation = [methods.method_label("erm", a) for a in ABLATION_ALGORITHMS]
     ablation += [m for m in ood.methods if m.endswith(MIXSTYLE)]
     title = f"Table 3: ablation, out-of-domain accuracy (%), model selection: {name}"
     return comparison_table(title, ood, sorted(ablation, key=method_order), latex, pm)
@@ -423,6 +520,82 @@ def report_notes(name, pm, finished, sweeps, incomplete, not_started) -> list[st
     return notes
 
 
+def missing_pair_runs(groups: dict, split: str = "domainbed") -> dict:
+    """``{(dataset, method): [test environments]}`` where a trial seed has the single run
+    (t,) but no setting with every pair run (t, v) that leave-one-domain-out needs
+    (``selection.leave_one_out_run`` finds no step)."""
+    missing = collections.defaultdict(set)
+    for (group_split, dataset, method, _, t), settings in groups.items():
+        singles = [runs for runs in settings.values() if (t,) in runs]
+        if group_split == split and singles:
+            if all(selection.leave_one_out_run(runs, t) is None for runs in singles):
+                missing[dataset, method].add(t)
+    return {key: sorted(envs) for key, envs in missing.items()}
+
+
+def pair_runs_command(runs: list[Run], missing: dict, input_dir: str) -> str:
+    """The sweep command that adds the pair runs of the ``missing`` (dataset, method)
+    pairs of our runs (``--test_envs all_with_pairs``; the done single runs are skipped).
+    The sweep's other arguments (``--hparams``, ``--grid``, ``--set``) are not in the
+    records' methods, so the command says to add them."""
+    axes = {k: [] for k in ("datasets", "algorithms", "objectives", "disam_lambdas", "seeds")}
+    for run in runs:
+        first = run.records[0]
+        if is_domainbed(first) or (first["args"]["dataset"], method_name(first)) not in missing:
+            continue
+        objective, algorithm, disam = method_of(first)
+        args = first["args"]
+        values = (args["dataset"], algorithm, objective, disam, args["trial_seed"])
+        for key, value in zip(axes, values):
+            if value not in axes[key]:
+                axes[key].append(value)
+    order = {  # each axis in its table's order
+        "datasets": dataset_order,
+        "algorithms": list(methods.UPDATE_RULES).index,
+        "objectives": list(methods.OBJECTIVES).index,
+    }
+    axes = {k: sorted(v, key=order.get(k)) for k, v in axes.items()}
+    words = ["python", "-m", "sagm_jax.sweep", "launch", "--datasets", *axes["datasets"]]
+    words += ["--algorithms", *axes["algorithms"]]
+    if axes["objectives"] != ["erm"]:
+        words += ["--objectives", *axes["objectives"]]
+    if axes["disam_lambdas"] != [0.0]:
+        words += ["--disam_lambdas", *(f"{v:g}" for v in axes["disam_lambdas"])]
+    words += ["--trial_seeds", *(str(s) for s in axes["seeds"])]
+    words += ["--test_envs", "all_with_pairs", "--output_dir", input_dir]
+    return shlex.join(words) + " <the sweep's --hparams, --grid and --set>"
+
+
+def missing_pairs_note(missing: dict, ood: Sweep, command: str) -> str:
+    """Leave-one-domain-out's note: which methods lack pair runs, and how to add them."""
+    parts = []
+    for dataset in ood.datasets:
+        entries = [
+            f"{method} (test environments {', '.join(map(str, missing[dataset, method]))})"
+            for method in ood.methods
+            if (dataset, method) in missing
+        ]
+        if entries:
+            parts.append(f"{dataset}: " + ", ".join(entries))
+    note = (
+        "Leave-one-domain-out needs, beside each single run (t,), the pair runs (t, v) "
+        "holding out t and each other environment v; missing for " + "; ".join(parts) + ". "
+        f"Add them with: {command} (jobs already done are skipped)."
+    )
+    if any(method.endswith(DOMAINBED) for _, method in missing):
+        note += " DomainBed's runs: its sweep.py without --single_test_envs."
+    return note
+
+
+def no_entry_text(title: str, latex: bool) -> str:
+    """What stands in place of a table that leave-one-domain-out leaves without entries."""
+    text = (
+        "No entry: the sweep has no pair runs that leave-one-domain-out can use here "
+        "(the notes say which are missing and how to add them)."
+    )
+    return f"% {latex_escape(f'{title}: {text}')}" if latex else f"### {title}\n\n{text}"
+
+
 def check_options(selection_name: str, pm: str) -> None:
     if pm not in PLUS_MINUS:
         raise ValueError(f"--pm {pm!r}: expected one of {', '.join(PLUS_MINUS)}.")
@@ -454,16 +627,25 @@ def build_report(
     chosen = select(groups, selection_name)
     ood, in_domain = Sweep(chosen, groups, "domainbed"), Sweep(chosen, groups, "in_domain")
     name = selection.SELECTION_NAMES[selection_name]
+    missing = missing_pair_runs(groups) if selection_name == "leave_one_out" else {}
+    # Under leave-one-domain-out, a table or a dataset without any entry is a missing-
+    # runs message, not a table of dashes.
+    has_entry = {d for (d, *_) in ood.acc} if missing else set(ood.datasets)
     out = []
     if ood.datasets:
         labels = env_labels(finished, input_dir)
-        out.append(table_1(ood, name, latex, pm))
-        out += [dataset_table(ood, d, labels.get(d), name, latex, pm) for d in ood.datasets]
+        out.append(table_1(ood, name, latex, pm) if has_entry else no_entry_text("Table 1", latex))
+        for d in ood.datasets:
+            table = dataset_table(ood, d, labels.get(d), name, latex, pm)
+            out.append(table if d in has_entry else no_entry_text(d, latex))
     if in_domain.datasets:
         out.append(table_2(in_domain, ood, name, latex, pm))
     if ood.datasets:
-        out.append(table_3(ood, name, latex, pm))
+        out.append(table_3(ood, name, latex, pm) if has_entry else no_entry_text("Table 3", latex))
     notes = report_notes(name, pm, finished, (ood, in_domain), incomplete, not_started)
+    if missing:
+        command = pair_runs_command(finished, missing, input_dir)
+        notes.append(missing_pairs_note(missing, ood, command))
     if latex:
         out += ["% " + latex_escape(n).replace(pm, "$\\pm$") for n in notes]
     else:

@@ -10,8 +10,9 @@ honour, one line each, naming the key and what was expected (:func:`validate` ra
 them); :func:`weights_problem` is the one check of the weights (with the file's format
 before a run); :func:`config_warnings` lists settings that are likely slips but may be
 meant. The names a field accepts come from their one registry each: datasets from
-``sagm_jax.data.registry``, architectures from ``sagm_jax.models.ARCHS``, algorithms from
-``sagm_jax.optimizers.ALGORITHMS``; the weights files from ``sagm_jax.models``.
+``sagm_jax.data.registry``, architectures from ``sagm_jax.models.ARCHS``, objectives, update
+rules and their hyperparameters from ``sagm_jax.methods``; the weights files from
+``sagm_jax.models``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from sagm_jax.models import ARCHS, WEIGHTS_FILES, weights_url
 from sagm_jax.models.mnist_cnn import CONV_LAYERS, GROUPNORM_GROUPS
 from sagm_jax.models.resnet import ARCHITECTURES as RESNET_ARCHS, MIXSTYLE_STAGES
 from sagm_jax.models.torchvision_weights import ACCEPTED_FORMATS, weights_file_problem
-from sagm_jax.optimizers import ALGORITHMS, GSAM_ALPHA, SAGM_ALPHA
+from sagm_jax.methods import OBJECTIVES, PROCEDURES, UPDATE_RULES, combination_problem
+from sagm_jax.methods import hyperparameters as method_hyperparameters
+from sagm_jax.optimizers import GSAM_ALPHA, SAGM_ALPHA
 
 # A field's check: (value, config, device_count) -> None, or what was expected.
 # ``device_count`` is JAX's when known (None before JAX starts).
@@ -111,6 +114,14 @@ class OneOf:
     def __call__(self, value, config, device_count):
         if not isinstance(value, str) or value not in self.names:
             return f"one of {', '.join(self.names)}"
+
+
+def _bounds(bounds: str) -> Check:
+    """The check of a method hyperparameter's bounds as ``sagm_jax.methods`` writes them:
+    ``"int >= k"`` or an interval of :func:`_number`."""
+    if bounds.startswith("int >= "):
+        return _integer(int(bounds.split()[-1]))
+    return _number(bounds)
 
 
 def _test_envs(value, config, device_count):
@@ -334,6 +345,10 @@ FIELDS: dict[str, tuple[Field, ...]] = {
             _BOOL,
         ),
         Field("mixstyle_after", MIXSTYLE_STAGES, "ResNet stages followed by MixStyle", _stages),
+        # The MixStyle paper and SWAD's repository use p 0.5; the SAGM repository's
+        # ResNet-50 builder sets p 1 (docs/protocol.md).
+        Field("mixstyle_p", 0.5, "probability that a MixStyle layer restyles a batch", _number("[0, 1]")),
+        Field("mixstyle_alpha", 0.1, "MixStyle's Beta(alpha, alpha) mixing weights", _number("> 0")),
         Field(
             "cnn_widths",
             (64, 128, 128, 128),
@@ -341,12 +356,24 @@ FIELDS: dict[str, tuple[Field, ...]] = {
             _cnn_widths,
         ),
     ),
+    "method": (
+        Field(
+            "objective",
+            "erm",
+            "the loss a step minimises: " + ", ".join(OBJECTIVES),
+            OneOf(tuple(OBJECTIVES)),
+        ),
+        *(
+            Field(hp.key, hp.default, hp.meaning, _bounds(hp.bounds))
+            for hp in method_hyperparameters()
+        ),
+    ),
     "optimizer": (
         Field(
             "algorithm",
             "sagm",
-            ", ".join(ALGORITHMS) + " (erm_sam: SAGM with alpha 0)",
-            OneOf(ALGORITHMS),
+            "the update rule: " + ", ".join(UPDATE_RULES) + " (erm_sam: SAGM with alpha 0)",
+            OneOf(tuple(UPDATE_RULES)),
         ),
         Field("lr", 3e-5, "Adam's learning rate (constant)", _number("> 0")),
         Field(
@@ -389,6 +416,12 @@ FIELDS: dict[str, tuple[Field, ...]] = {
             OneOf(("mean", "sum")),
         ),
         Field("adaptive", False, "ASAM-style scaling of the perturbation by |w|", _BOOL),
+        Field(
+            "disam_descent",
+            "clean",
+            'DISAM on SAGM: "clean" (d = (g + g_p)/2) or "variance" (g_DI in place of g)',
+            OneOf(("clean", "variance")),
+        ),
         Field(
             "perturbation",
             "global",
@@ -438,6 +471,7 @@ FIELDS: dict[str, tuple[Field, ...]] = {
 SECTION_TITLES = {
     "data": "data (see sagm_jax.data)",
     "model": "model (see sagm_jax.models)",
+    "method": "objective and method hyperparameters (see sagm_jax.methods, sagm_jax.objectives)",
     "optimizer": "optimizer (see sagm_jax.optimizers; built by sagm_jax.train)",
     "step": "train step and devices (see sagm_jax.train_step)",
     "schedule": "schedule",
@@ -505,8 +539,38 @@ def config_problems(
             "config.mixstyle=True: MixStyle sits between ResNet stages; "
             "config.arch=mnist_cnn has none."
         )
+    problems += method_problems(config)
     weights = weights_problem(config, check_files)
     return problems + ([weights] if weights else [])
+
+
+def method_problems(config: ml_collections.ConfigDict) -> list[str]:
+    """The objective x update rule x DISAM combinations a run cannot train, one line each
+    (``methods.combination_problem``), and the settings a method cannot honour:
+    per-domain statistics need the global batch (``perturbation=per_device`` shards it),
+    and the procedures copy and interpolate weights, not BatchNorm statistics."""
+    objective, algorithm = config.get("objective"), config.get("algorithm")
+    disam = config.get("disam_lambda")
+    if objective not in OBJECTIVES or algorithm not in UPDATE_RULES or not _is_number(disam):
+        return []  # named by the fields' own checks
+    problems = [combination_problem(objective, algorithm, disam)]
+    if config.get("perturbation") == "per_device" and (
+        objective != "erm" or algorithm in PROCEDURES or disam
+    ):
+        problems.append(
+            f"config.perturbation=per_device with objective={objective}, "
+            f"algorithm={algorithm}, disam_lambda={disam:g}: per-device perturbation sees "
+            "one shard of the batch, and the objectives, procedures and DISAM need each "
+            "domain's whole minibatch; use --config.perturbation=global."
+        )
+    if algorithm in PROCEDURES and config.get("freeze_batchnorm") is False:
+        problems.append(
+            f"config.algorithm={algorithm} with config.freeze_batchnorm=False: the procedures "
+            "update the weights from per-domain passes and leave BatchNorm's statistics "
+            "out (DomainBed's published protocol freezes them); use "
+            "--config.freeze_batchnorm=True."
+        )
+    return [p for p in problems if p]
 
 
 def field_problems(

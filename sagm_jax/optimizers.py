@@ -31,6 +31,18 @@ JAX already sums the gradients of replicated parameters over the axis.
 ``perturbation="per_device"`` is a DIFFERENT algorithm (m-sharpness, as in the
 SAM authors' JAX code): each device perturbs with its own shard's gradient,
 computes its own direction, and the directions are averaged over ``axis_name``.
+
+DISAM (Zhang et al., ICLR 2024; docs/dg-algorithms.md section 11). Every head
+also accepts an ``ascent_grads`` extra argument, a pytree like ``g`` (or None):
+when given, the ascent step ``e`` is built from it instead of ``g``, while the
+descent direction keeps the clean ``g`` (SAGM's ``disam_descent="variance"``
+aside). DISAM passes ``g_DI = grad(L_bar - lambda V)`` there, the gradient of
+:func:`disam_ascent_objective`; plain chains (ERM's) ignore the argument, as
+``optax.chain`` drops extra arguments for members that take none. In global mode
+inside ``shard_map``/``pmap`` the heads ``pmean`` ``ascent_grads`` like ``g``;
+that equals one device's ``g_DI`` only when the per-domain losses in the
+cotangents are the GLOBAL ones (``pmean`` them first), since ``g_DI`` is not
+linear in them.
 """
 
 from __future__ import annotations
@@ -110,6 +122,44 @@ def perturbation_vector(grads, params, rho, alpha=0.0, eps=1e-12, adaptive=False
     return jax.lax.stop_gradient(e)
 
 
+def domain_loss_variance(domain_losses) -> jax.Array:
+    """``V = (1/M) sum_k (L_k - L_bar)^2``, the population variance of the M per-domain
+    losses ``L_k`` (``L_bar`` their mean), DISAM's Eq. 8 and VREx's penalty."""
+    domain_losses = jnp.asarray(domain_losses)
+    return jnp.mean(jnp.square(domain_losses - jnp.mean(domain_losses)))
+
+
+def disam_ascent_objective(domain_losses, lam) -> jax.Array:
+    """DISAM's ascent objective ``L_bar - lam * V`` (Zhang et al., ICLR 2024, Eq. 8).
+
+    ``domain_losses`` is the vector ``(L_1, ..., L_M)`` of the mean losses of the M
+    domain minibatches (equal sizes, as DomainBed draws them), ``L_bar`` its mean and
+    ``V`` :func:`domain_loss_variance`. Its gradient is the ascent gradient::
+
+        g_DI = sum_k (1/M - (2 lam / M) (L_k - L_bar)) grad L_k
+
+    since ``dV/dL_k = (2/M)(L_k - L_bar) - (2/M^2) sum_j (L_j - L_bar)`` and the sum
+    vanishes. For ``lam > 0`` a domain whose loss is above the mean weighs less in
+    the ascent (negatively once ``2 lam (L_k - L_bar) > 1``), so ``e`` is not led by
+    the worst-fitted domains: DISAM's domain-balanced sharpness estimate.
+
+    One forward serves ``g`` and ``g_DI``: both are vector-Jacobian products of the
+    per-domain loss vector, with cotangents ``1/M`` and ``grad`` of this function::
+
+        losses, vjp = jax.vjp(per_domain_losses, params)
+        (g,) = vjp(jnp.full_like(losses, 1 / losses.size))
+        (g_di,) = vjp(jax.grad(disam_ascent_objective)(losses, lam))
+        opt.update(g, state, params, grad_fn=grad_fn, ascent_grads=g_di)
+
+    Inside ``shard_map``/``pmap`` the cotangents must use the GLOBAL losses
+    (``pmean`` them over the device axis first); the heads then ``pmean`` ``g_di``.
+    DISAM's public code weighs each domain by its count in a mixed batch; with equal
+    counts that is this ``V``. ``lam = 0`` gives ``L_bar``: plain SAM/SAGM.
+    """
+    domain_losses = jnp.asarray(domain_losses)
+    return jnp.mean(domain_losses) - lam * domain_loss_variance(domain_losses)
+
+
 def _value(rho: ScalarOrSchedule, count):
     return rho(count) if callable(rho) else rho
 
@@ -125,9 +175,21 @@ def _check_mode(perturbation_mode: str, axis_name: Optional[str]):
 
 
 def _sharpness_aware(
-    direction_fn, rho, eps, adaptive, alpha_in_perturbation, perturbation_mode, axis_name
+    direction_fn,
+    rho,
+    eps,
+    adaptive,
+    alpha_in_perturbation,
+    perturbation_mode,
+    axis_name,
+    descent_from_ascent=False,
 ):
-    """Shared skeleton: clean g, ascent e, perturbed g_p, then ``direction_fn(g, g_p)``."""
+    """Shared skeleton: clean g, ascent e, perturbed g_p, then ``direction_fn(g, g_p)``.
+
+    ``e`` is built from the ``ascent_grads`` extra argument when one is passed (DISAM's
+    ``g_DI``), else from ``g``. ``descent_from_ascent`` hands that ascent gradient to
+    ``direction_fn`` in place of ``g`` (SAGM's ``disam_descent="variance"``).
+    """
     _check_mode(perturbation_mode, axis_name)
     global_sync = perturbation_mode == "global" and axis_name is not None
 
@@ -135,7 +197,15 @@ def _sharpness_aware(
         del params
         return SharpnessAwareState(count=jnp.zeros([], jnp.int32))
 
-    def update_fn(updates, state, params=None, *, grad_fn: Optional[GradFn] = None, **extra_args):
+    def update_fn(
+        updates,
+        state,
+        params=None,
+        *,
+        grad_fn: Optional[GradFn] = None,
+        ascent_grads: Optional[optax.Updates] = None,
+        **extra_args,
+    ):
         del extra_args
         if params is None:
             raise ValueError("This transformation needs params (the unperturbed w).")
@@ -145,16 +215,18 @@ def _sharpness_aware(
                 "of the SAME minibatch's loss at the given params (optax.contrib.sam's "
                 "opaque-mode convention)."
             )
-        grads = updates
-        if global_sync:
-            grads = jax.lax.pmean(grads, axis_name)
+        grads, ascent = updates, ascent_grads
+        if global_sync:  # one all-reduce; a None ascent_grads is an empty pytree
+            grads, ascent = jax.lax.pmean((grads, ascent), axis_name)
+        if ascent is None:
+            ascent = grads
         e = perturbation_vector(
-            grads, params, _value(rho, state.count), alpha_in_perturbation, eps, adaptive
+            ascent, params, _value(rho, state.count), alpha_in_perturbation, eps, adaptive
         )
         perturbed_grads = grad_fn(_axpy(1.0, e, params), 0)
         if global_sync:
             perturbed_grads = jax.lax.pmean(perturbed_grads, axis_name)
-        direction = direction_fn(grads, perturbed_grads)
+        direction = direction_fn(ascent if descent_from_ascent else grads, perturbed_grads)
         if perturbation_mode == "per_device":
             direction = jax.lax.pmean(direction, axis_name)
         direction = jax.tree.map(lambda d, g: d.astype(g.dtype), direction, updates)
@@ -170,6 +242,7 @@ def sagm(
     eps: float = 1e-12,
     adaptive: bool = False,
     combine: str = "mean",
+    disam_descent: str = "clean",
     perturbation: str = "global",
     axis_name: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
@@ -185,12 +258,21 @@ def sagm(
 
     With ``alpha = 0`` this is the "ERM + SAM" ablation: ``0.5 * (g + g_sam)``.
 
+    DISAM-SAGM (our definition; DISAM's public code never ran one): with the extra
+    argument ``ascent_grads = g_DI`` (:func:`disam_ascent_objective`), step 2 becomes
+    ``e = (rho / (||g_DI|| + eps) - alpha) * g_DI`` and step 4 keeps the clean ``g``
+    (``disam_descent="clean"``), or uses ``d = 0.5 * (g_DI + g_p)``
+    (``disam_descent="variance"``, what one closure returning ``L - lambda V`` would
+    give in SAGM's code). Without ``ascent_grads`` the option changes nothing.
+
     Args:
       rho: perturbation radius, a float or an optax schedule of the update count.
       alpha: weight of the raw gradient subtracted in the ascent step.
       eps: added to the norm, so a zero gradient gives ``e = 0``, not NaN.
       adaptive: ASAM-style scaling by ``|w|`` (off in every experiment of the paper).
       combine: ``"mean"`` or ``"sum"``.
+      disam_descent: ``"clean"`` or ``"variance"``: the gradient ``d`` adds to ``g_p``
+        when ``ascent_grads`` is passed (see above).
       perturbation: ``"global"`` or ``"per_device"`` (m-sharpness, a different
         algorithm; see the module docstring).
       axis_name: the device axis inside ``shard_map``/``pmap``; None under ``jit``.
@@ -209,12 +291,26 @@ def sagm(
             f"combine={combine!r}: expected 'mean' (the released code) "
             "or 'sum' (the paper's objective)."
         )
+    if disam_descent not in ("clean", "variance"):
+        raise ValueError(
+            f"disam_descent={disam_descent!r}: expected 'clean' (d from the clean g) "
+            "or 'variance' (d from DISAM's g_DI)."
+        )
     weight = 0.5 if combine == "mean" else 1.0
 
     def direction(g, g_p):
         return jax.tree.map(lambda a, b: weight * (a + b), g, g_p)
 
-    return _sharpness_aware(direction, rho, eps, adaptive, alpha, perturbation, axis_name)
+    return _sharpness_aware(
+        direction,
+        rho,
+        eps,
+        adaptive,
+        alpha,
+        perturbation,
+        axis_name,
+        descent_from_ascent=disam_descent == "variance",
+    )
 
 
 def sam(
@@ -229,7 +325,9 @@ def sam(
 
     ``e = rho * g / (||g|| + eps)``; ``d = g_p = grad L_B(w + e)``, consumed at
     the unperturbed ``w``. ``adaptive=True`` gives ASAM's
-    ``e = rho * w**2 * g / (|| |w| * g || + eps)``. Other arguments as :func:`sagm`.
+    ``e = rho * w**2 * g / (|| |w| * g || + eps)``. With the extra argument
+    ``ascent_grads = g_DI`` (DISAM, the public code's SAM path) ``e`` is built from
+    ``g_DI`` and ``d = g_p`` as before. Other arguments as :func:`sagm`.
     """
     return _sharpness_aware(lambda g, g_p: g_p, rho, eps, adaptive, 0.0, perturbation, axis_name)
 
@@ -255,7 +353,9 @@ def gsam(
     This is the authors' PyTorch form, with ``eps`` in both norms: up to ``eps``
     it is ``g_perp = g - (<g, g_p> / ||g_p||^2) g_p``, and a zero ``g`` or
     ``g_p`` gives a finite direction. For rho that follows a learning-rate
-    schedule, pass :func:`gsam_rho_schedule`. Other arguments as :func:`sagm`.
+    schedule, pass :func:`gsam_rho_schedule`. With the extra argument
+    ``ascent_grads = g_DI`` (DISAM) ``e`` is built from ``g_DI`` as in :func:`sam`,
+    and ``g_perp`` still decomposes the clean ``g``. Other arguments as :func:`sagm`.
     """
 
     def direction(g, g_p):
@@ -299,6 +399,7 @@ def paper_optimizer(
     rho: ScalarOrSchedule = 0.05,
     alpha: Optional[float] = None,
     combine: str = "mean",
+    disam_descent: str = "clean",
     adaptive: bool = False,
     perturbation: str = "global",
     axis_name: Optional[str] = None,
@@ -320,9 +421,12 @@ def paper_optimizer(
       alpha: SAGM's or GSAM's alpha (two different quantities); defaults
         :data:`SAGM_ALPHA` and :data:`GSAM_ALPHA`.
       combine, adaptive, perturbation, axis_name: see :func:`sagm`.
+      disam_descent: SAGM's (and ``erm_sam``'s) descent under DISAM, see
+        :func:`sagm`; SAM and GSAM have one descent (``g_p``, and GSAM's ``g``
+        decomposition stays clean), so for them, and for ERM, it changes nothing.
 
-    The returned chain always accepts ``grad_fn``; ERM never calls it, so one
-    train step serves every algorithm.
+    The returned chain always accepts ``grad_fn`` and ``ascent_grads`` (DISAM's
+    ``g_DI``); ERM uses neither, so one train step serves every algorithm.
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r}: expected one of {', '.join(ALGORITHMS)}.")
@@ -336,9 +440,10 @@ def paper_optimizer(
     elif algorithm == "gsam":
         head = [gsam(rho, GSAM_ALPHA if alpha is None else alpha, **common)]
     elif algorithm == "sagm":
-        head = [sagm(rho, SAGM_ALPHA if alpha is None else alpha, combine=combine, **common)]
+        sagm_alpha = SAGM_ALPHA if alpha is None else alpha
+        head = [sagm(rho, sagm_alpha, combine=combine, disam_descent=disam_descent, **common)]
     else:
-        head = [sagm(rho, 0.0, combine=combine, **common)]
+        head = [sagm(rho, 0.0, combine=combine, disam_descent=disam_descent, **common)]
     return optax.chain(
         *head,
         optax.add_decayed_weights(weight_decay),

@@ -216,14 +216,17 @@ def make_record(
     accuracies: dict,
     test_envs: list[int],
     smallest_env: int,
+    metrics: dict | None = None,
 ) -> dict:
     """The DomainBed-compatible record of evaluation ``step``: ``loss`` (the mean since
-    the last record), ``env{i}_{part}_acc``, DomainBed's ``epoch`` (examples seen per
+    the last record of the loss the method reports) and the method's other ``metrics``
+    (``penalty``, ``nll``: DomainBed's keys, also means), ``env{i}_{part}_acc``, DomainBed's ``epoch`` (examples seen per
     training environment over the ``smallest_env`` examples of the smallest one's "in"
     part), its ``args`` and ``hparams``, and the whole config."""
     return {
         "step": step,
         "loss": loss,
+        **(metrics or {}),
         "epoch": (step + 1) * config_dict["batch_per_env"] / smallest_env,
         **accuracies,
         "args": {

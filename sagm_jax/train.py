@@ -41,14 +41,16 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 from sagm_jax import data as data_lib
-from sagm_jax import formatting, models
+from sagm_jax import formatting, models, objectives
 from sagm_jax.checkpoints import Checkpoints, restore_variables, saved_steps
 from sagm_jax.config import section, validate
 from sagm_jax.data import device_augment, registry
 from sagm_jax.data.pipeline import prefetch_to_mesh
 from sagm_jax.data.splits import check_split_record
 from sagm_jax.evaluation import Evaluator
+from sagm_jax.methods import PROCEDURES
 from sagm_jax.optimizers import paper_optimizer
+from sagm_jax.procedures import make_procedure
 from sagm_jax.rundir import (
     CHECKPOINTS,
     DONE,
@@ -120,9 +122,13 @@ def _mesh(config, train_envs) -> jax.sharding.Mesh:
     return jax.sharding.Mesh(np.array(devices), ("batch",))
 
 
-def optimizer_from_config(config: ml_collections.ConfigDict, axis_name: str | None = None):
-    """The one place that turns a config into the optimizer:
-    :func:`sagm_jax.optimizers.paper_optimizer` with the config's ``optimizer`` section.
+def optimizer_from_config(
+    config: ml_collections.ConfigDict, axis_name: str | None = None, num_domains: int = 1
+):
+    """The one place that turns a config into the update rule: for the plain and
+    sharpness-aware rules, :func:`sagm_jax.optimizers.paper_optimizer` with the config's
+    ``optimizer`` section; for the procedures (Fish, AND-mask, MLDG),
+    :func:`sagm_jax.procedures.make_procedure` over ``num_domains`` training domains.
 
     ``config.alpha`` is SAGM's alpha and ``config.gsam_alpha`` GSAM's; each goes to
     its own algorithm. ``axis_name`` (the device axis of a ``shard_map``) is used by
@@ -130,6 +136,14 @@ def optimizer_from_config(config: ml_collections.ConfigDict, axis_name: str | No
     """
     kwargs = section(config, "optimizer")
     algorithm = kwargs.pop("algorithm")
+    if algorithm in PROCEDURES:
+        return make_procedure(
+            algorithm,
+            section(config, "method"),
+            learning_rate=config.lr,
+            weight_decay=config.weight_decay,
+            num_domains=num_domains,
+        )
     kwargs["learning_rate"] = kwargs.pop("lr")
     gsam_alpha = kwargs.pop("gsam_alpha")
     if algorithm == "gsam":
@@ -149,8 +163,11 @@ def setup(config: ml_collections.ConfigDict) -> Program:
     model, variables, weights = models.from_config(
         config, dataset.num_classes, dataset.input_shape, init_key
     )
-    optimizer = optimizer_from_config(config, axis_name="batch")
-    state = jax.device_put(create_train_state(variables, optimizer), NamedSharding(mesh, P()))
+    optimizer = optimizer_from_config(config, axis_name="batch", num_domains=len(train_envs))
+    initial = create_train_state(
+        variables, optimizer, objectives.init_state(config.objective, len(train_envs))
+    )
+    state = jax.device_put(initial, NamedSharding(mesh, P()))
     run_info = {
         "weights": weights,
         "dataset": config.dataset,
@@ -173,7 +190,7 @@ def setup(config: ml_collections.ConfigDict) -> Program:
         mesh=mesh,
         model=model,
         state=state,
-        train_step=data_parallel_train_step(config, model, optimizer, mesh),
+        train_step=data_parallel_train_step(config, model, optimizer, mesh, len(train_envs)),
         evaluator=Evaluator(model, dataset, mesh, config, train_envs),
         run_info=run_info,
     )
@@ -235,7 +252,7 @@ def _training_loop(config, program: Program, rundir: RunDir, checkpoints: Checkp
         program.mesh,
     )
     smallest_env = min(len(program.dataset.splits[e]["in"]) for e in program.train_envs)
-    loss_sum, loss_count = jnp.zeros([], jnp.float32), 0
+    sums, count = None, 0  # of the step's metrics since the last record, on the device
     progress = tqdm(
         total=config.steps,
         initial=start,
@@ -246,14 +263,16 @@ def _training_loop(config, program: Program, rundir: RunDir, checkpoints: Checkp
     try:
         for t in range(start, config.steps):
             state, metrics = program.train_step(state, next(batches), step_key)
-            loss_sum, loss_count = loss_sum + metrics["loss"], loss_count + 1
+            sums = metrics if sums is None else jax.tree.map(jnp.add, sums, metrics)
+            count += 1
             progress.update(1)
             if t % config.log_every == 0:
                 loss = _finite_loss(float(metrics["loss"]), t, checkpoints, rundir)
                 progress.set_postfix(loss=f"{loss:.4f}")
                 writer.write_scalars(t, {"train/loss": loss})
             if is_evaluation_step(t, config.steps, config.eval_every):
-                mean_loss = _finite_loss(float(loss_sum) / loss_count, t, checkpoints, rundir)
+                means = {k: float(v) / count for k, v in sums.items()}
+                mean_loss = _finite_loss(means.pop("loss"), t, checkpoints, rundir)
                 if not _all_finite(state.params):
                     _stop_non_finite(rundir.workdir, t, mean_loss, checkpoints)
                 accuracies = program.evaluator(state)
@@ -262,6 +281,7 @@ def _training_loop(config, program: Program, rundir: RunDir, checkpoints: Checkp
                     rundir.workdir,
                     step=t,
                     loss=mean_loss,
+                    metrics=means,
                     accuracies=accuracies,
                     test_envs=program.test_envs,
                     smallest_env=smallest_env,
@@ -270,7 +290,7 @@ def _training_loop(config, program: Program, rundir: RunDir, checkpoints: Checkp
                 records.append(record)
                 writer.write_scalars(t, {k: v for k, v in record.items() if k.endswith("_acc")})
                 checkpoints.save(t, state, validation_accuracy(record, program.train_envs))
-                loss_sum, loss_count = jnp.zeros([], jnp.float32), 0
+                sums, count = None, 0
     finally:  # the prefetch thread and the progress bar end even when the loop fails
         batches.close()  # stops the prefetching thread
         progress.close()

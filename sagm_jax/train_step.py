@@ -36,7 +36,8 @@ Choices the reference leaves implicit, stated here:
 
 from __future__ import annotations
 
-from typing import Any
+import itertools
+from typing import Any, NamedTuple
 
 import flax
 import flax.linen as nn
@@ -45,7 +46,10 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from sagm_jax import objectives
+from sagm_jax.config import section
 from sagm_jax.data import device_augment
+from sagm_jax.methods import PROCEDURES
 
 
 @flax.struct.dataclass
@@ -54,15 +58,19 @@ class TrainState:
     params: Any
     batch_stats: Any  # {} for models without BatchNorm
     opt_state: Any
+    objective_state: Any = None  # GroupDRO's q; {} for objectives without state
 
 
-def create_train_state(variables, optimizer: optax.GradientTransformation) -> TrainState:
+def create_train_state(variables, optimizer, objective_state=None) -> TrainState:
+    """Step 0: ``variables``, ``optimizer.init`` (an optax transformation or a
+    procedure) and the objective's initial state (``{}`` when it keeps none)."""
     params = variables["params"]
     return TrainState(
         step=jnp.zeros([], jnp.int32),
         params=params,
         batch_stats=variables.get("batch_stats", {}),
         opt_state=optimizer.init(params),
+        objective_state={} if objective_state is None else objective_state,
     )
 
 
@@ -87,35 +95,53 @@ def cross_entropy(logits, labels) -> jax.Array:
     return jnp.mean(per_example_cross_entropy(logits, labels))
 
 
-def _training_loss(model: nn.Module, train_batchnorm: bool, compute_dtype):
-    """``loss_fn(params, batch_stats, batch, key, mixstyle) -> (loss, batch_stats)``: the
-    mean cross-entropy of one training pass, dropout and MixStyle drawn from ``key``;
-    the BatchNorm statistics it returns are updated only with ``train_batchnorm``."""
+def _forward(model: nn.Module, params, batch_stats, key, mixstyle, train_batchnorm, compute_dtype):
+    """``forward(images) -> objectives.Outputs(features, logits, batch_stats)``: one training
+    pass at ``params``, dropout and MixStyle drawn from ``key``; the BatchNorm statistics it
+    returns are updated only with ``train_batchnorm``."""
 
-    def loss_fn(params, batch_stats, batch, key, mixstyle):
+    def forward(images):
         dropout_key, mixstyle_key = jax.random.split(key)
         outputs = apply_model(
             model,
             params,
             batch_stats,
-            batch["image"],
+            images,
             compute_dtype,
             train=True,
             mixstyle=mixstyle,
+            features=True,
             rngs={"dropout": dropout_key, "mixstyle": mixstyle_key},
             mutable=["batch_stats"] if train_batchnorm else False,
         )
-        logits, updated = outputs if train_batchnorm else (outputs, {})
-        return cross_entropy(logits, batch["label"]), updated.get("batch_stats", batch_stats)
+        (features, logits), updated = outputs if train_batchnorm else (outputs, {})
+        return objectives.Outputs(features, logits, updated.get("batch_stats", batch_stats))
 
-    return loss_fn
+    return forward
+
+
+class StepMethod(NamedTuple):
+    """What a train step computes besides the model and the update rule: the objective
+    and its hyperparameters, the number of training domains, and DISAM's weight."""
+
+    objective: str = "erm"
+    hyperparameters: dict = {}
+    num_domains: int = 1
+    disam_lambda: float = 0.0
+
+
+# The objective's random draws (Mixup's pairs, CutMix's box) come from their own stream
+# of the step's key, the same in the clean and the perturbed pass: both differentiate
+# one loss function. Dropout draws its own mask in each pass (see the module docstring).
+_OBJECTIVE_STREAM = 1
 
 
 def make_train_step(
     model: nn.Module,
-    optimizer: optax.GradientTransformationExtraArgs,
+    optimizer,
     *,
     algorithm: str,
+    method: StepMethod = StepMethod(),
     use_mixstyle: bool = False,
     train_batchnorm: bool = False,
     shared_dropout: bool = False,
@@ -124,51 +150,138 @@ def make_train_step(
 ):
     """Returns ``train_step(state, batch, key) -> (state, metrics)``, pure and jittable.
 
-    ``batch`` holds ``image`` [B, H, W, C] and ``label`` [B]. With ``compute_dtype``
+    ``batch`` holds ``image`` [B, H, W, C] and ``label`` [B], the ``method.num_domains``
+    training domains' minibatches concatenated in order. With ``compute_dtype``
     bfloat16 the parameters and images are cast for the forward and backward
     passes; the parameters, the optimizer and the loss stay in float32. Inside
     ``shard_map`` (the per-device perturbation), ``axis_name`` averages the reported
-    loss and trained BatchNorm statistics over devices.
+    loss and trained BatchNorm statistics over devices. ``optimizer`` is the optax
+    chain of a plain or sharpness-aware rule, or the ``procedures.Procedure`` of
+    ``algorithm`` (Fish, AND-mask, MLDG), which updates from per-domain gradients.
     """
+    is_procedure = algorithm in PROCEDURES
     clean_mixstyle = use_mixstyle and algorithm != "sagm"
-    loss_fn = _training_loss(model, train_batchnorm, compute_dtype)
+    reset_step = objectives.reset_optimizer_step(method.objective, method.hyperparameters)
 
     def train_step(state: TrainState, batch, key):
-        clean_key, perturbed_key = jax.random.split(jax.random.fold_in(key, state.step))
+        step_key = jax.random.fold_in(key, state.step)
+        clean_key, perturbed_key = jax.random.split(step_key)
         perturbed_key = clean_key if shared_dropout else perturbed_key
-        (loss, batch_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state.params, state.batch_stats, batch, clean_key, clean_mixstyle
-        )
+        objective_key = jax.random.fold_in(step_key, _OBJECTIVE_STREAM)
 
-        def grad_fn(params, i):
-            del i
-            return jax.grad(loss_fn, has_aux=True)(
-                params, state.batch_stats, batch, perturbed_key, use_mixstyle
-            )[0]
+        def forward_at(params, dropout_key, mixstyle=use_mixstyle):
+            return _forward(
+                model, params, state.batch_stats, dropout_key, mixstyle, train_batchnorm,
+                compute_dtype,
+            )
 
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params, grad_fn=grad_fn)
+        def loss_fn(params, dropout_key, mixstyle, objective_state, advance):
+            return objectives.objective_loss(
+                method.objective, method.hyperparameters, forward_at(params, dropout_key, mixstyle), batch["image"],
+                batch["label"], num_domains=method.num_domains, state=objective_state,
+                step=state.step, key=objective_key, advance=advance,
+            )
+
+        opt_state = state.opt_state
+        if reset_step is not None:  # IRM's and VREx's fresh Adam at the end of the anneal
+            fresh = optimizer.init(state.params)
+            opt_state = jax.tree.map(
+                lambda new, old: jnp.where(state.step == reset_step, new, old), fresh, opt_state
+            )
+        if is_procedure:
+            domain_value_and_grad = _domain_value_and_grad(
+                forward_at, batch, clean_key, method.num_domains
+            )
+            updates, opt_state, metrics = optimizer.update(
+                state.params, opt_state, domain_value_and_grad, objective_key
+            )
+            batch_stats, objective_state = state.batch_stats, state.objective_state
+        else:
+            grads, extra, aux = _clean_gradients(loss_fn, state, clean_key, clean_mixstyle,
+                                                 method.disam_lambda)
+            objective_state, metrics, batch_stats = aux.state, aux.metrics, aux.batch_stats
+
+            def grad_fn(params, i):
+                del i
+                return jax.grad(loss_fn, has_aux=True)(
+                    params, perturbed_key, use_mixstyle, objective_state, False
+                )[0]
+
+            updates, opt_state = optimizer.update(
+                grads, opt_state, state.params, grad_fn=grad_fn, **extra
+            )
         if axis_name is not None:
-            loss, batch_stats = jax.lax.pmean((loss, batch_stats), axis_name)
+            metrics, batch_stats = jax.lax.pmean((metrics, batch_stats), axis_name)
         state = state.replace(
             step=state.step + 1,
             params=optax.apply_updates(state.params, updates),
             batch_stats=batch_stats,
             opt_state=opt_state,
+            objective_state=objective_state,
         )
-        return state, {"loss": loss}
+        return state, metrics
 
     return train_step
 
 
-def data_parallel_train_step(config, model: nn.Module, optimizer, mesh):
+def _clean_gradients(loss_fn, state: TrainState, key, mixstyle, disam_lambda: float):
+    """The clean pass: ``g = grad L_B(w)``, the objective's auxiliary output, and the extra
+    arguments of the head. With DISAM (``disam_lambda`` > 0) one forward serves both
+    gradients: ``g`` and ``g_DI = grad (L_B - lambda V)``, ``V`` the population variance
+    of the objective's per-domain terms (dg-algorithms section 11), as two
+    vector-Jacobian products; the head builds its perturbation from ``g_DI``."""
+    if not disam_lambda:
+        grads, aux = jax.grad(loss_fn, has_aux=True)(
+            state.params, key, mixstyle, state.objective_state, True
+        )
+        return grads, {}, aux
+
+    def both(params):
+        loss, aux = loss_fn(params, key, mixstyle, state.objective_state, True)
+        return jnp.stack([loss, loss - disam_lambda * jnp.var(aux.domain_losses)]), aux
+
+    _, vjp, aux = jax.vjp(both, state.params, has_aux=True)
+    (grads,) = vjp(jnp.array([1.0, 0.0]))
+    (ascent,) = vjp(jnp.array([0.0, 1.0]))
+    return grads, {"ascent_grads": ascent}, aux
+
+
+def _domain_value_and_grad(forward_at, batch, key, num_domains: int):
+    """``(params, m) -> (CE of domain m's minibatch, its gradient)`` for the procedures,
+    where ``forward_at(params, key)`` is a training pass's ``forward``; ``m`` may be
+    traced. Each call draws its own dropout mask, as the reference's separate forwards do."""
+    images = batch["image"].reshape(num_domains, -1, *batch["image"].shape[1:])
+    labels = batch["label"].reshape(num_domains, -1)
+    calls = itertools.count()  # at trace time: call k draws from fold_in(key, k)
+
+    def value_and_grad(params, m):
+        call_key = jax.random.fold_in(key, next(calls))
+
+        def loss(p):
+            return cross_entropy(forward_at(p, call_key)(images[m]).logits, labels[m])
+
+        return jax.value_and_grad(loss)(params)
+
+    return value_and_grad
+
+
+def data_parallel_train_step(config, model: nn.Module, optimizer, mesh, num_domains: int):
     """The run's jitted ``train_step(state, batch, key) -> (state, metrics)`` for the
-    data-parallel mode ``config.perturbation`` on ``mesh`` (see the module docstring).
-    ``optimizer`` must have been built with ``axis_name='batch'`` for 'per_device'."""
+    data-parallel mode ``config.perturbation`` on ``mesh`` (see the module docstring),
+    with the config's objective, its hyperparameters (the "method" section) and DISAM
+    over ``num_domains`` training domains. ``optimizer`` must have been built with
+    ``axis_name='batch'`` for 'per_device'."""
     per_device = config.perturbation == "per_device"
     step_fn = make_train_step(
         model,
         optimizer,
         algorithm=config.algorithm,
+        method=StepMethod(
+            objective=config.objective,
+            hyperparameters=section(config, "method"),
+            num_domains=num_domains,
+            disam_lambda=config.disam_lambda,
+        ),
         use_mixstyle=config.mixstyle,
         train_batchnorm=not config.freeze_batchnorm,
         shared_dropout=config.shared_dropout,

@@ -50,22 +50,33 @@ def ref_norm(tree):
 
 def ref_direction(rule, p, x, y, rho, alpha, combine="mean", adaptive=False):
     """The spec's ``d`` for one step, on one batch, float64."""
-    _, g = ref_loss_and_grad(p, x, y)
+    grad_at = lambda q: ref_loss_and_grad(q, x, y)[1]
+    return ref_head_direction(rule, p, grad_at, rho, alpha, combine, adaptive)
+
+
+def ref_head_direction(
+    rule, p, grad_at, rho, alpha, combine="mean", adaptive=False, ascent=None, descent="clean"
+):
+    """``d`` of a rule whose gradient at any point is ``grad_at``; ``ascent`` (DISAM's
+    g_DI) replaces ``g`` in ``e``, and in SAGM's ``d`` when ``descent="variance"``."""
+    g = grad_at(p)
     if rule == "erm":
         return g
+    a = g if ascent is None else ascent
     ascent_alpha = alpha if rule == "sagm" else 0.0
     if adaptive:
-        scale = rho / (ref_norm({k: np.abs(p[k]) * g[k] for k in p}) + 1e-12) - ascent_alpha
-        e = {k: scale * p[k] ** 2 * g[k] for k in p}
+        scale = rho / (ref_norm({k: np.abs(p[k]) * a[k] for k in p}) + 1e-12) - ascent_alpha
+        e = {k: scale * p[k] ** 2 * a[k] for k in p}
     else:
-        scale = rho / (ref_norm(g) + 1e-12) - ascent_alpha
-        e = {k: scale * g[k] for k in p}
-    _, gp = ref_loss_and_grad({k: p[k] + e[k] for k in p}, x, y)
+        scale = rho / (ref_norm(a) + 1e-12) - ascent_alpha
+        e = {k: scale * a[k] for k in p}
+    gp = grad_at({k: p[k] + e[k] for k in p})
     if rule == "sam":
         return gp
     if rule in ("sagm", "erm_sam"):
         weight = 0.5 if combine == "mean" else 1.0
-        return {k: weight * (g[k] + gp[k]) for k in p}
+        first = a if descent == "variance" else g
+        return {k: weight * (first[k] + gp[k]) for k in p}
     # gsam: d = g_p - alpha * (g - <g, g_p> / ||g_p||^2 * g_p)
     inner = sum(np.sum(g[k] * gp[k]) for k in p)
     coef = inner / ref_norm(gp) ** 2
@@ -406,11 +417,19 @@ def test_erm_chain_accepts_and_ignores_grad_fn():
     params = {"w": jnp.ones(3)}
     updates, _ = opt.update({"w": jnp.ones(3)}, opt.init(params), params, grad_fn=grad_fn)
     np.testing.assert_allclose(updates["w"], -1e-3 * np.ones(3), rtol=1e-4)
+    # DISAM's ascent gradient passes through optax.chain to every member; Adam ignores it.
+    with_ascent, _ = opt.update(
+        {"w": jnp.ones(3)}, opt.init(params), params, grad_fn=grad_fn,
+        ascent_grads={"w": jnp.full(3, 7.0)},
+    )
+    np.testing.assert_array_equal(with_ascent["w"], updates["w"])
 
 
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="combine='avg'"):
         sagm_jax.sagm(combine="avg")
+    with pytest.raises(ValueError, match="disam_descent='noisy'"):
+        sagm_jax.sagm(disam_descent="noisy")
     with pytest.raises(ValueError, match="axis_name"):
         sagm_jax.sam(perturbation="per_device")
     with pytest.raises(ValueError, match="perturbation='local'"):
@@ -483,3 +502,252 @@ def test_paper_config_gives_each_algorithm_its_own_alpha(algorithm):
 
 def test_gsams_default_alpha_is_its_papers():
     assert sagm_jax.optimizers.GSAM_ALPHA == GSAM_PAPER_ALPHA
+
+
+# ----------------------------------------------------------------------------
+# DISAM (dg-algorithms.md section 11): the heads' ascent step from
+# g_DI = grad(L_bar - lambda V), restated by hand from the per-domain gradients.
+
+DISAM_LAMBDA = 0.5
+
+
+def make_domains(seed, b=8, steps=1):
+    """Per step, three domain minibatches stacked as x (3, b, 5), y (3, b); each domain's
+    inputs are shifted and scaled differently, so their losses differ."""
+    rng = np.random.default_rng(seed)
+    shifts_scales = [(0.0, 1.0), (0.8, 0.5), (-0.5, 2.0)]
+    return [
+        (
+            np.stack([rng.normal(shift, scale, (b, 5)) for shift, scale in shifts_scales]),
+            rng.integers(0, 3, (len(shifts_scales), b)),
+        )
+        for _ in range(steps)
+    ]
+
+
+def ref_mean_domain_grad_at(x, y):
+    """The gradient of ``L_bar``, the mean of the domains' losses, at any point."""
+
+    def grad_at(p):
+        grads = [ref_loss_and_grad(p, xk, yk)[1] for xk, yk in zip(x, y)]
+        return {k: np.mean([gk[k] for gk in grads], axis=0) for k in p}
+
+    return grad_at
+
+
+def ref_disam_ascent_grad(p, x, y, lam):
+    """``g_DI = sum_k (1/M - (2 lam / M)(L_k - L_bar)) grad L_k`` (DISAM's Eq. 8)."""
+    results = [ref_loss_and_grad(p, xk, yk) for xk, yk in zip(x, y)]
+    losses = np.array([loss for loss, _ in results])
+    m = len(losses)
+    weights = 1.0 / m - (2.0 * lam / m) * (losses - losses.mean())
+    return {k: sum(w * gk[k] for w, (_, gk) in zip(weights, results)) for k in p}
+
+
+def ref_disam_direction(rule, p, x, y, rho, alpha, lam, descent="clean", adaptive=False):
+    grad_at = ref_mean_domain_grad_at(x, y)
+    ascent = ref_disam_ascent_grad(p, x, y, lam)
+    return ref_head_direction(
+        rule, p, grad_at, rho, alpha, adaptive=adaptive, ascent=ascent, descent=descent
+    )
+
+
+def domain_losses(p, x, y):
+    return jax.vmap(mlp_loss, in_axes=(None, 0, 0))(p, x, y)
+
+
+def mean_domain_grad_fn(x, y):
+    return lambda p, i: jax.grad(lambda q: jnp.mean(domain_losses(q, x, y)))(p)
+
+
+def disam_gradients(params, x, y, lam, axis_name=None):
+    """``g`` and ``g_DI`` from one forward (two vjps), as a train step computes them;
+    with ``axis_name`` the cotangents use the global (``pmean``-ed) domain losses."""
+    losses, vjp = jax.vjp(lambda p: domain_losses(p, x, y), params)
+    global_losses = losses if axis_name is None else jax.lax.pmean(losses, axis_name)
+    (g,) = vjp(jnp.full_like(losses, 1.0 / losses.size))
+    (g_di,) = vjp(jax.grad(sagm_jax.optimizers.disam_ascent_objective)(global_losses, lam))
+    return g, g_di
+
+
+def make_disam_step(opt, lam):
+    @jax.jit
+    def step(params, state, x, y):
+        g, g_di = disam_gradients(params, x, y, lam)
+        updates, state = opt.update(
+            g, state, params, grad_fn=mean_domain_grad_fn(x, y), ascent_grads=g_di
+        )
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
+def disam_head(rule, rho, alpha=0.0, descent="clean", adaptive=False, **kwargs):
+    if rule == "sam":
+        return sagm_jax.sam(rho, adaptive=adaptive, **kwargs)
+    if rule == "gsam":
+        return sagm_jax.gsam(rho, alpha, adaptive=adaptive, **kwargs)
+    return sagm_jax.sagm(rho, alpha, disam_descent=descent, adaptive=adaptive, **kwargs)
+
+
+def head_direction(transform, params, x, y, lam=None):
+    """The head's ``d`` under jit; with ``lam``, ``ascent_grads = g_DI``."""
+
+    @jax.jit
+    def run(params):
+        g, g_di = disam_gradients(params, x, y, 0.0 if lam is None else lam)
+        extra = {} if lam is None else {"ascent_grads": g_di}
+        state = transform.init(params)
+        return transform.update(g, state, params, grad_fn=mean_domain_grad_fn(x, y), **extra)[0]
+
+    return run(params)
+
+
+def max_gap(a, b):
+    return max(float(np.max(np.abs(np.asarray(a[k]) - np.asarray(b[k])))) for k in b)
+
+
+DISAM_RULES = [
+    ("sam", 0.0, "clean", False),
+    ("sam", 0.0, "clean", True),
+    ("gsam", 0.3, "clean", False),
+    ("sagm", 0.3, "clean", False),
+    ("sagm", 0.3, "variance", False),
+    ("sagm", 0.2, "clean", True),
+]
+
+
+@pytest.mark.parametrize(
+    "rule,alpha,descent,adaptive",
+    DISAM_RULES,
+    ids=[f"{r}-{d}" + ("-adaptive" if a else "") for r, _, d, a in DISAM_RULES],
+)
+def test_disam_direction_matches_float64_reference(rule, alpha, descent, adaptive):
+    params, _ = make_problem(seed=8)
+    ((x, y),) = make_domains(seed=9)
+    rho = 0.1
+    with jax.enable_x64(True):
+        transform = disam_head(rule, rho, alpha, descent, adaptive)
+        actual = head_direction(transform, jax.tree.map(jnp.asarray, params), x, y, DISAM_LAMBDA)
+    expected = ref_disam_direction(rule, params, x, y, rho, alpha, DISAM_LAMBDA, descent, adaptive)
+    assert_trees_close(actual, expected, rtol=1e-10, atol=1e-14)
+    # Guard: DISAM's ascent changes the direction well beyond the tolerance.
+    plain = ref_disam_direction(rule, params, x, y, rho, alpha, 0.0, descent, adaptive)
+    assert max_gap(expected, plain) > 1e-4
+    if descent == "variance":
+        clean = ref_disam_direction(rule, params, x, y, rho, alpha, DISAM_LAMBDA, "clean")
+        assert max_gap(expected, clean) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "rule,descent", [("sagm", "clean"), ("sagm", "variance"), ("sam", "variance"), ("gsam", "variance")]
+)
+def test_disam_paper_optimizer_matches_float64_reference(rule, descent):
+    """Several steps of the whole optimizer; ``disam_descent`` reaches SAGM and changes
+    nothing for SAM and GSAM (the reference has one DISAM rule for each)."""
+    params, _ = make_problem(seed=10)
+    batches = make_domains(seed=11, steps=4)
+    lr, wd, rho, alpha = 1e-2, 1e-2, 0.1, 0.3
+    with jax.enable_x64(True):
+        opt = sagm_jax.paper_optimizer(
+            rule, learning_rate=lr, weight_decay=wd, rho=rho, alpha=alpha, disam_descent=descent
+        )
+        step = make_disam_step(opt, DISAM_LAMBDA)
+        p_jax = jax.tree.map(jnp.asarray, params)
+        state = opt.init(p_jax)
+        ref_p, ref_adam = dict(params), RefAdam(params, lr, wd)
+        for x, y in batches:
+            p_jax, state = step(p_jax, state, x, y)
+            d = ref_disam_direction(rule, ref_p, x, y, rho, alpha, DISAM_LAMBDA, descent)
+            ref_p = ref_adam.step(ref_p, d)
+            assert_trees_close(p_jax, ref_p, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("lam", [0.5, 2.0])
+def test_disam_ascent_objective_and_its_gradient_are_eq_8(lam):
+    params, _ = make_problem(seed=12)
+    ((x, y),) = make_domains(seed=13)
+    objective = sagm_jax.optimizers.disam_ascent_objective
+    with jax.enable_x64(True):
+        p = jax.tree.map(jnp.asarray, params)
+        value, grads = jax.jit(
+            jax.value_and_grad(lambda q: objective(domain_losses(q, x, y), lam))
+        )(p)
+    losses = np.array([ref_loss_and_grad(params, xk, yk)[0] for xk, yk in zip(x, y)])
+    variance = np.sum((losses - losses.mean()) ** 2) / len(losses)
+    np.testing.assert_allclose(float(value), losses.mean() - lam * variance, rtol=1e-12)
+    assert variance > 1e-2  # the domains' losses differ, so lam matters
+    assert_trees_close(grads, ref_disam_ascent_grad(params, x, y, lam), rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("rule", ["sam", "sagm"])
+def test_disam_with_lambda_zero_is_plain_sam_and_sagm_exactly(rule):
+    params, _ = make_problem(seed=14)
+    ((x, y),) = make_domains(seed=15)
+    with jax.enable_x64(True):
+        p = jax.tree.map(jnp.asarray, params)
+        g, g_di = jax.jit(lambda q: disam_gradients(q, x, y, 0.0))(p)
+        transform = disam_head(rule, 0.1, 0.3, "variance")
+        with_disam = head_direction(transform, p, x, y, lam=0.0)
+        plain = head_direction(transform, p, x, y)
+    for k in params:
+        np.testing.assert_array_equal(np.asarray(g_di[k]), np.asarray(g[k]))
+        np.testing.assert_array_equal(np.asarray(with_disam[k]), np.asarray(plain[k]))
+
+
+@pytest.mark.parametrize("rule", ["sagm", "gsam", "sam"])
+def test_disam_global_mode_on_eight_devices_equals_one_device(rule):
+    assert jax.device_count() == 8, "tests/conftest.py should fake 8 CPU devices"
+    params, _ = make_problem(seed=16)
+    ((x, y),) = make_domains(seed=17, b=16)
+
+    def run(mesh):
+        # Each domain's minibatch is split over the devices.
+        batch_sharding = NamedSharding(mesh, P(None, "batch"))
+        p = jax.device_put(jax.tree.map(jnp.asarray, params), NamedSharding(mesh, P()))
+        state = jax.device_put(opt.init(p), NamedSharding(mesh, P()))
+        xs, ys = jax.device_put(x, batch_sharding), jax.device_put(y, batch_sharding)
+        for _ in range(3):
+            p, state = step(p, state, xs, ys)
+        return p
+
+    with jax.enable_x64(True):
+        opt = sagm_jax.paper_optimizer(
+            rule, learning_rate=1e-2, weight_decay=1e-3, rho=0.1, alpha=0.2,
+            disam_descent="variance",
+        )
+        step = make_disam_step(opt, DISAM_LAMBDA)
+        one = run(Mesh(np.array(jax.devices()[:1]), ("batch",)))
+        eight = run(Mesh(np.array(jax.devices()), ("batch",)))
+    assert_trees_close(eight, {k: np.asarray(v) for k, v in one.items()}, rtol=1e-12, atol=1e-14)
+
+
+def test_disam_inside_shard_map_pmeans_ascent_grads_like_one_device():
+    """Global mode with ``axis_name``: each device passes its shard's g and g_DI (from
+    the global domain losses' cotangents); the head averages both."""
+    params, _ = make_problem(seed=18)
+    ((x, y),) = make_domains(seed=19, b=16)
+    mesh = Mesh(np.array(jax.devices()), ("batch",))
+    rho, alpha = 0.1, 0.2
+
+    def direction(global_losses_in_cotangents):
+        def local(params, x, y):
+            axis = "batch" if global_losses_in_cotangents else None
+            g, g_di = disam_gradients(params, x, y, DISAM_LAMBDA, axis_name=axis)
+            head = sagm_jax.sagm(rho, alpha, axis_name="batch")
+            return head.update(
+                g, head.init(params), params, grad_fn=mean_domain_grad_fn(x, y), ascent_grads=g_di
+            )[0]
+
+        spec = P(None, "batch")
+        mapped = jax.shard_map(
+            local, mesh=mesh, in_specs=(P(), spec, spec), out_specs=P(), check_vma=False
+        )
+        return jax.jit(mapped)(jax.tree.map(jnp.asarray, params), x, y)
+
+    with jax.enable_x64(True):
+        actual, per_shard_cotangents = direction(True), direction(False)
+    expected = ref_disam_direction("sagm", params, x, y, rho, alpha, DISAM_LAMBDA)
+    assert_trees_close(actual, expected, rtol=1e-10, atol=1e-14)
+    # Why the losses are pmean-ed first: shard losses give another, wrong g_DI.
+    assert max_gap(per_shard_cotangents, expected) > 1e-6

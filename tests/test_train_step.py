@@ -18,13 +18,13 @@ class ToyModel(nn.Module):
     dropout_rate: float = 0.0
 
     @nn.compact
-    def __call__(self, x, train: bool, mixstyle: bool = False):
+    def __call__(self, x, train: bool, mixstyle: bool = False, features: bool = False):
         x = x.reshape((x.shape[0], -1))
         x = nn.Dropout(self.dropout_rate, deterministic=not train)(x)
         logits = nn.Dense(3)(x)
         if mixstyle:
             logits = logits + jnp.array([5.0, 0.0, 0.0])
-        return logits
+        return (x, logits) if features else logits
 
 
 def make_batch(n=16, seed=0):
@@ -162,7 +162,7 @@ def test_per_device_mode_keeps_the_replicated_copies_equal(algorithm):
     )
     variables = model.init(jax.random.key(0), batch["image"], train=False)
     state = jax.device_put(create_train_state(variables, optimizer), NamedSharding(mesh, P()))
-    train_step = data_parallel_train_step(ConfigDict(config), model, optimizer, mesh)
+    train_step = data_parallel_train_step(ConfigDict(config), model, optimizer, mesh, 1)
     sharded = jax.device_put(batch, NamedSharding(mesh, P("batch")))
     for _ in range(2):
         state, _ = train_step(state, sharded, jax.random.key(1))

@@ -13,7 +13,7 @@ This package owns the networks and their weights:
 ``create`` builds a network by name; ``from_config`` builds the run's network from the
 model section of a config, with its variables and pretrained backbone. Every network is called as
 ``model.apply(variables, images_nhwc, train=..., mixstyle=..., rngs={'dropout': k1,
-'mixstyle': k2})`` and returns logits; with ``freeze_batchnorm=False`` a training
+'mixstyle': k2})`` and returns logits (``features=True``: ``(features, logits)``); with ``freeze_batchnorm=False`` a training
 call also passes ``mutable=['batch_stats']``.
 """
 
@@ -66,13 +66,16 @@ def create(
     dropout_rate: float = 0.0,
     freeze_batchnorm: bool = True,
     mixstyle_after: tuple[int, ...] = (),
+    mixstyle_p: float = 0.5,
+    mixstyle_alpha: float = 0.1,
     input_channels: int = 3,
     cnn_widths: tuple[int, ...] | None = None,
 ) -> nn.Module:
     """The network ``arch`` (one of ``ARCHS``) with a fresh ``num_classes``-way classifier.
 
     ``cnn_widths`` sets the MNIST CNN's four conv widths (DomainBed's by default).
-    ``freeze_batchnorm`` and ``mixstyle_after`` (stages from 1, 2, 3) apply to the
+    ``freeze_batchnorm``, ``mixstyle_after`` (stages from 1, 2, 3) and the MixStyle
+    layers' probability ``mixstyle_p`` and Beta parameter ``mixstyle_alpha`` apply to the
     ResNets; the MNIST CNN has GroupNorm and no MixStyle, so it rejects a
     non-empty ``mixstyle_after``.
     """
@@ -94,7 +97,12 @@ def create(
     if bad := [stage for stage in mixstyle_after if stage not in MIXSTYLE_STAGES]:
         raise ValueError(f"mixstyle_after may only name ResNet stages {MIXSTYLE_STAGES}, got {bad}")
     return ResNet(
-        arch=arch, freeze_batchnorm=freeze_batchnorm, mixstyle_after=mixstyle_after, **head
+        arch=arch,
+        freeze_batchnorm=freeze_batchnorm,
+        mixstyle_after=mixstyle_after,
+        mixstyle_p=mixstyle_p,
+        mixstyle_alpha=mixstyle_alpha,
+        **head,
     )
 
 
@@ -108,6 +116,8 @@ def from_config(config, num_classes: int, input_shape, key, pretrained: bool = T
         dropout_rate=config.dropout,
         freeze_batchnorm=config.freeze_batchnorm,
         mixstyle_after=tuple(config.mixstyle_after) if config.mixstyle else (),
+        mixstyle_p=config.mixstyle_p,
+        mixstyle_alpha=config.mixstyle_alpha,
         input_channels=input_shape[-1],
         cnn_widths=tuple(config.cnn_widths),
     )

@@ -48,18 +48,19 @@ class MnistCNN(nn.Module):
     widths: tuple[int, ...] = tuple(features for features, _ in CONV_LAYERS)
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool, mixstyle: bool = False) -> jax.Array:
-        """Logits [B, num_classes] for NHWC images ``x``; ``mixstyle`` is accepted and ignored."""
+    def __call__(self, x: jax.Array, train: bool, mixstyle: bool = False, features=False):
+        """Logits [B, num_classes] for NHWC images ``x`` (with ``features``:
+        ``(features [B, widths[-1]], logits)``); ``mixstyle`` is accepted and ignored."""
         check_images(x, self.input_channels, "MnistCNN")
         if len(self.widths) != len(CONV_LAYERS) or any(w % GROUPNORM_GROUPS for w in self.widths):
             raise ValueError(
                 f"MnistCNN widths must be {len(CONV_LAYERS)} multiples of "
                 f"{GROUPNORM_GROUPS}, got {self.widths}"
             )
-        for index, (features, (_, stride)) in enumerate(zip(self.widths, CONV_LAYERS), start=1):
+        for index, (width, (_, stride)) in enumerate(zip(self.widths, CONV_LAYERS), start=1):
             fan_in = 9 * x.shape[-1]
             x = nn.Conv(
-                features,
+                width,
                 (3, 3),
                 strides=(stride, stride),
                 padding=((1, 1), (1, 1)),
@@ -72,5 +73,10 @@ class MnistCNN(nn.Module):
                 num_groups=GROUPNORM_GROUPS, epsilon=GROUPNORM_EPS, name=f"groupnorm{index}"
             )(x)
         return classifier_head(
-            x, self.num_classes, self.dropout_rate, train, kernel_init=torch_default_kernel_init
+            x,
+            self.num_classes,
+            self.dropout_rate,
+            train,
+            kernel_init=torch_default_kernel_init,
+            features=features,
         )

@@ -83,20 +83,25 @@ def torch_linear_init(fan_in: int):
     return init
 
 
-def classifier_head(x, num_classes: int, dropout_rate: float, train: bool, kernel_init=None):
+def classifier_head(
+    x, num_classes: int, dropout_rate: float, train: bool, kernel_init=None, features=False
+):
     """DomainBed's head: global average pool -> dropout -> ``classifier`` (a Dense layer
     with torch's ``nn.Linear`` init unless ``kernel_init`` is given). Called inside a
-    network's ``__call__``: its layers are the network's."""
-    features = jnp.mean(x, axis=(1, 2))
+    network's ``__call__``: its layers are the network's. Returns the logits, or
+    ``(features, logits)`` with ``features`` (the post-dropout pooled vector, DomainBed's
+    featurizer output that CORAL and MMD compare)."""
+    pooled = jnp.mean(x, axis=(1, 2))
     if dropout_rate > 0.0:
-        features = nn.Dropout(dropout_rate, deterministic=not train)(features)
-    fan_in = features.shape[-1]
-    return nn.Dense(
+        pooled = nn.Dropout(dropout_rate, deterministic=not train)(pooled)
+    fan_in = pooled.shape[-1]
+    logits = nn.Dense(
         num_classes,
         kernel_init=kernel_init or torch_linear_init(fan_in),
         bias_init=torch_linear_init(fan_in),
         name="classifier",
-    )(features)
+    )(pooled)
+    return (pooled, logits) if features else logits
 
 
 def on_cpu() -> bool:
@@ -200,6 +205,7 @@ class ResNet(nn.Module):
       dropout_rate: dropout on the pooled feature in training (0 disables it).
       freeze_batchnorm: use and keep the running statistics (see module docstring).
       mixstyle_after: stages (from 1, 2, 3) after which a MixStyle layer sits.
+      mixstyle_p, mixstyle_alpha: each MixStyle layer's probability and Beta parameter.
       input_channels: channels the images must have (3 for torchvision weights).
     """
 
@@ -208,11 +214,14 @@ class ResNet(nn.Module):
     dropout_rate: float = 0.0
     freeze_batchnorm: bool = True
     mixstyle_after: Sequence[int] = ()
+    mixstyle_p: float = 0.5
+    mixstyle_alpha: float = 0.1
     input_channels: int = 3
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool, mixstyle: bool = False) -> jax.Array:
-        """Logits [B, num_classes] for normalized NHWC float images ``x``.
+    def __call__(self, x: jax.Array, train: bool, mixstyle: bool = False, features=False):
+        """Logits [B, num_classes] for normalized NHWC float images ``x`` (with
+        ``features``: ``(features [B, 2048 or 512], logits)``).
 
         ``mixstyle`` switches the MixStyle layers on for this call; they act only
         when ``train`` is also true (and are absent when ``mixstyle_after`` is empty).
@@ -233,5 +242,7 @@ class ResNet(nn.Module):
                 stride = 2 if stage > 1 and index == 0 else 1
                 x = block_class(width, stride, use_running_average, name=f"layer{stage}_{index}")(x)
             if stage in self.mixstyle_after:
-                x = MixStyle(name=f"mixstyle{stage}")(x, active=train and mixstyle)
-        return classifier_head(x, self.num_classes, self.dropout_rate, train)
+                x = MixStyle(self.mixstyle_p, self.mixstyle_alpha, name=f"mixstyle{stage}")(
+                    x, active=train and mixstyle
+                )
+        return classifier_head(x, self.num_classes, self.dropout_rate, train, features=features)

@@ -2,6 +2,7 @@
 
     python -m sagm_jax.sweep launch --datasets RotatedDigits \\
         --algorithms erm sam gsam sagm --test_envs all --trial_seeds 0 1 2 \\
+        [--objectives erm coral] [--disam_lambdas 0 0.1] \\
         --output_dir sweeps/digits --jobs 2 [--hparams paper|reduced] \\
         [--grid lr=1e-5,3e-5] [--set steps=301 --set eval_every=50 ...] [--gpus 0,1] [--dry_run]
     python -m sagm_jax.sweep launch ...same grid... --launcher slurm --partition gpu \\
@@ -9,9 +10,11 @@
     python -m sagm_jax.sweep status ...same grid arguments...
     python -m sagm_jax.sweep delete_incomplete ...same grid arguments... [--yes]
 
-The grid (``sagm_jax.sweep.jobs``): each dataset's config file, every algorithm, test
-environment set, trial seed and point of ``--hparams`` / ``--grid``, with every
-``--set``. Test environments: ``all`` (each environment alone), ``all_with_pairs``
+The grid (``sagm_jax.sweep.jobs``): each dataset's config file, every method (update
+rule x objective x DISAM lambda of ``sagm_jax.methods``, less the combinations it
+refuses, each skipped with one line saying why), test environment set, trial seed and
+point of ``--hparams`` / ``--grid`` (a method's own hyperparameters only for it), with
+every ``--set``. Test environments: ``all`` (each environment alone), ``all_with_pairs``
 (each alone and every pair, as DomainBed's sweep; leave-one-domain-out selection needs
 the pairs), or explicit sets such as ``0 1 0,1``. ``--set`` and ``--grid`` may be
 repeated; each adds keys. Jobs run from the repository (config files are relative to it).
@@ -33,7 +36,7 @@ import argparse
 import shlex
 import sys
 
-from sagm_jax.optimizers import ALGORITHMS
+from sagm_jax import methods
 from sagm_jax.sweep import jobs as jobs_lib, launchers
 from sagm_jax.sweep.jobs import INCOMPLETE, PRESETS
 
@@ -76,7 +79,22 @@ def _grid_arguments(parser: argparse.ArgumentParser) -> None:
         "--algorithms",
         nargs="+",
         default=["sagm"],
-        help=f"Algorithms (sagm_jax.optimizers): {', '.join(ALGORITHMS)}. Default: sagm.",
+        help="Update rules (sagm_jax.methods): "
+        f"{', '.join(methods.UPDATE_RULES)}. Default: sagm.",
+    )
+    parser.add_argument(
+        "--objectives",
+        nargs="+",
+        default=["erm"],
+        help=f"Objectives (sagm_jax.methods): {', '.join(methods.OBJECTIVES)}; each "
+        "combined with each update rule. Default: erm.",
+    )
+    parser.add_argument(
+        "--disam_lambdas",
+        nargs="+",
+        type=float,
+        default=[0.0],
+        help="DISAM's weights (0 = off; DISAM acts on sam, gsam and sagm). Default: 0.",
     )
     parser.add_argument(
         "--test_envs",
@@ -139,11 +157,27 @@ def _launcher_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def make_jobs(args) -> list[jobs_lib.Job]:
-    """The grid the arguments name (``ValueError`` on a bad one)."""
+    """The grid the arguments name (``ValueError`` on a bad one); prints one line per
+    method combination the grid skips."""
     grid = {**PRESETS[args.hparams], **jobs_lib.parse_assignments(args.grid, "--grid")}
     fixed = {k: v[0] for k, v in jobs_lib.parse_assignments(args.set, "--set").items()}
+    methods_axes = (args.objectives, args.algorithms, args.disam_lambdas)
+    kept, skipped = jobs_lib.method_combinations(*methods_axes)
+    for line in skipped:
+        print(f"sweep: {line}", file=sys.stderr)
+    if not kept:
+        raise ValueError(
+            "no combination of --objectives, --algorithms and --disam_lambdas is left."
+        )
     axes = (args.datasets, args.algorithms, args.test_envs, args.trial_seeds)
-    return jobs_lib.make_jobs(*axes, grid, fixed, args.output_dir)
+    return jobs_lib.make_jobs(
+        *axes,
+        grid,
+        fixed,
+        args.output_dir,
+        objectives=args.objectives,
+        disam_lambdas=args.disam_lambdas,
+    )
 
 
 def show_status(args, jobs) -> int:

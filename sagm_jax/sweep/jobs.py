@@ -2,7 +2,9 @@
 
 A job is one argument set: the config file of its dataset, then config overrides
 (``algorithm``, ``test_envs``, ``trial_seed``, ``seed`` = the trial seed, one point of
-the hyperparameter grid, and every ``--set``). As in DomainBed, its directory is
+the hyperparameter grid, and every ``--set``; ``objective`` and ``disam_lambda`` only
+where they are not the defaults erm and 0, so that the jobs of a sweep launched before
+those existed keep their names). As in DomainBed, its directory is
 ``<output_dir>/<md5 of json.dumps(args, sort_keys=True)>``, with the arguments in
 ``args.json`` there, so the same grid always names the same directories. The run
 directory inside is ``sagm_jax.rundir``'s; the job folder adds ``args.json``,
@@ -20,10 +22,9 @@ import os
 import shutil
 import sys
 
-from sagm_jax import claims, rundir
+from sagm_jax import claims, methods, rundir
 from sagm_jax.data import registry
 from sagm_jax.formatting import flag_value
-from sagm_jax.optimizers import ALGORITHMS
 
 # The datasets a sweep can run: those of the registry with a config file and a known
 # number of environments (an ImageFolder's depends on its data_dir).
@@ -45,16 +46,21 @@ PRESETS = {
         "alpha": [1e-3, 5e-4],
     },
 }
-# Hyperparameters an algorithm ignores are not swept for it (no duplicate runs).
-# ``alpha`` is SAGM's alone (erm_sam is SAGM with alpha 0); GSAM has ``gsam_alpha``.
+# Hyperparameters an objective or update rule ignores are not swept for it (no duplicate
+# runs); a key not listed here (lr, dropout, ...) is every method's. The sharpness-aware
+# heads' settings: ``alpha`` is SAGM's alone (erm_sam is SAGM with alpha 0); GSAM has
+# ``gsam_alpha``. Each method hyperparameter is its owners' in sagm_jax.methods.
 USED_BY = {
     "alpha": ("sagm",),
     "gsam_alpha": ("gsam",),
-    "rho": ("sam", "gsam", "sagm", "erm_sam"),
+    "rho": methods.HEADS,
     "combine": ("sagm", "erm_sam"),
+    **{h.key: methods.owners(h.key) for h in methods.hyperparameters() if methods.owners(h.key)},
 }
 # What every job's arguments hold besides its grid point and --set keys.
 SWEEP_KEYS = ("config", "algorithm", "test_envs", "trial_seed", "seed")
+# The sweep's axes that a job holds only where they differ from these defaults.
+DEFAULT_AXES = {"objective": "erm", "disam_lambda": 0.0}
 
 DONE, RUNNING, INCOMPLETE, NOT_LAUNCHED = "done", "running", "incomplete", "not launched"
 ARGS = "args.json"  # the job's arguments, in its folder
@@ -120,10 +126,40 @@ def parse_assignments(items: list[str], flag: str) -> dict[str, list]:
     return result
 
 
-def grid_points(grid: dict[str, list], algorithm: str) -> list[dict]:
-    """Every combination of the grid's values, without keys the algorithm ignores."""
-    keys = sorted(k for k in grid if algorithm in USED_BY.get(k, ALGORITHMS))
+def grid_points(grid: dict[str, list], algorithm: str, objective: str = "erm") -> list[dict]:
+    """Every combination of the grid's values, without the keys that neither the
+    objective nor the update rule uses (``USED_BY``)."""
+    keys = sorted(
+        k for k in grid if k not in USED_BY or {algorithm, objective} & set(USED_BY[k])
+    )
     return [dict(zip(keys, values)) for values in itertools.product(*(grid[k] for k in keys))]
+
+
+def method_combinations(objectives, algorithms, disam_lambdas) -> tuple[list, list[str]]:
+    """The product ``objectives x algorithms x disam_lambdas`` as ``(objective,
+    algorithm, disam_lambda)`` triples, without those ``methods.combination_problem``
+    refuses; and one line per refused triple, saying why. ``ValueError`` on an unknown
+    name or a negative lambda."""
+    for flag, names, table in (
+        ("--objectives", objectives, methods.OBJECTIVES),
+        ("--algorithms", algorithms, methods.UPDATE_RULES),
+    ):
+        for name in names:
+            if name not in table:
+                raise ValueError(f"{flag} {name!r}: expected one of {', '.join(table)}.")
+    if any(float(value) < 0 for value in disam_lambdas):
+        raise ValueError(f"--disam_lambdas {disam_lambdas}: each must be >= 0 (0 = off).")
+    kept, skipped = [], []
+    for objective, algorithm, disam in itertools.product(objectives, algorithms, disam_lambdas):
+        problem = methods.combination_problem(objective, algorithm, float(disam))
+        if problem:
+            skipped.append(
+                f"skipped objective={objective} algorithm={algorithm} "
+                f"disam_lambda={flag_value(float(disam))}: {problem}"
+            )
+        else:
+            kept.append((objective, algorithm, float(disam)))
+    return kept, skipped
 
 
 def job_hash(args: dict) -> str:
@@ -177,32 +213,45 @@ class Job:
         return " ".join(words + [f"{k}={flag_value(args[k])}" for k in extra_keys if k in args])
 
 
-def make_jobs(datasets, algorithms, test_envs, trial_seeds, grid, fixed, output_dir) -> list[Job]:
-    """The sweep's jobs, in a fixed order. ``grid`` maps keys to value lists; ``fixed``
+def make_jobs(
+    datasets,
+    algorithms,
+    test_envs,
+    trial_seeds,
+    grid,
+    fixed,
+    output_dir,
+    objectives=("erm",),
+    disam_lambdas=(0.0,),
+) -> list[Job]:
+    """The sweep's jobs, in a fixed order, for every combination that
+    :func:`method_combinations` keeps. ``grid`` maps keys to value lists; ``fixed``
     maps keys to one value each (``--set``)."""
     # The sweep itself sets these (and the grid its keys); a --set of one would give
     # several jobs the same arguments.
-    clash = sorted(set(fixed) & (set(SWEEP_KEYS) | set(grid)))
-    if clash:
+    axes = set(SWEEP_KEYS) | set(DEFAULT_AXES)
+    clash = sorted(set(fixed) & (axes | set(grid)))
+    if clash or set(grid) & axes:
         raise ValueError(
-            f"--set {', '.join(clash)}: set by the sweep's own options "
-            "(--algorithms, --test_envs, --trial_seeds, --grid / --hparams)."
+            f"--set/--grid {', '.join(clash or sorted(set(grid) & axes))}: set by the sweep's "
+            "own options (--algorithms, --objectives, --disam_lambdas, --test_envs, "
+            "--trial_seeds, --grid / --hparams)."
         )
     for dataset in datasets:
         if dataset not in CONFIG_FILES:
             raise ValueError(f"--datasets {dataset!r}: expected one of {', '.join(CONFIG_FILES)}.")
-    for algorithm in algorithms:
-        if algorithm not in ALGORITHMS:
-            raise ValueError(
-                f"--algorithms {algorithm!r}: expected one of {', '.join(ALGORITHMS)}."
-            )
+    combinations, _ = method_combinations(objectives, algorithms, disam_lambdas)
     jobs = []
-    for dataset, algorithm in itertools.product(datasets, algorithms):
+    for dataset, (objective, algorithm, disam) in itertools.product(datasets, combinations):
+        method = {"objective": objective, "disam_lambda": disam}
+        method = {k: v for k, v in method.items() if v != DEFAULT_AXES[k]}
+        points = grid_points(grid, algorithm, objective)
         for envs in test_env_sets(test_envs, num_environments(dataset)):
-            for trial_seed, point in itertools.product(trial_seeds, grid_points(grid, algorithm)):
+            for trial_seed, point in itertools.product(trial_seeds, points):
                 args = {
                     "config": CONFIG_FILES[dataset],
                     "algorithm": algorithm,
+                    **method,
                     "test_envs": envs,
                     "trial_seed": trial_seed,
                     "seed": trial_seed,

@@ -1,0 +1,439 @@
+"""The objectives: the loss one train step minimises from the per-domain minibatches.
+
+This module owns every objective of ``methods.OBJECTIVES`` (ERM, Mixup, CutMix, CORAL,
+MMD, GroupDRO, IRM, VREx) as dg-algorithms.md sections 1-3 and 7-10 state them, their
+random draws (Mixup's pairs and weights, CutMix's coin, box and permutation), their
+penalties (public: ``coral_penalty``, ``mmd_penalty``, ``pairwise_penalty``,
+``irm_penalty``) and their state (GroupDRO's ``q``; IRM's and VREx's anneal reads the
+step counter, and ``reset_optimizer_step`` tells the train step when Adam restarts).
+
+The train step calls ``objective_loss`` once per loss evaluation with a ``forward``
+closure, which it calls exactly ONCE on all N = M*b rows:
+
+* ERM, CORAL, MMD, GroupDRO, IRM, VREx forward the concatenated batch and slice the one
+  forward per domain (rows ``m*b:(m+1)*b`` are domain m). The reference forwards each
+  domain separately for CORAL, MMD and GroupDRO; with frozen BatchNorm the two agree
+  except for the dropout draws, whose distribution is the same.
+* Mixup forwards the M mixed pairs (b rows each) concatenated in one call, equal to the
+  reference's M separate forwards under the same proviso.
+* CutMix forwards the pasted batch.
+
+Per-domain statistics reshape the batch to [M, b, ...]. Under ``jax.jit`` with the batch
+sharded over devices that reshape is of the GLOBAL batch, so means, covariances, kernels
+and domain losses are over each whole domain, never per shard.
+
+Every loss and penalty is computed in float32, whatever the dtype of the features and
+logits. The objective's random draws come from ``key``; the train step passes the same
+key to the clean and the perturbed pass of a sharpness-aware step, so both differentiate
+one loss function.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from sagm_jax import methods
+
+OBJECTIVE_NAMES = tuple(methods.OBJECTIVES)
+
+# DomainBed's Gaussian kernel bandwidths (``AbstractMMD.gaussian_kernel``).
+MMD_GAMMAS = (1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0, 1000.0)
+# DomainBed clamps squared distances below at this value before the kernel.
+MMD_DISTANCE_FLOOR = 1e-30
+
+
+class Outputs(NamedTuple):
+    """What ``forward(images)`` returns."""
+
+    features: jax.Array  # [N, d] pooled post-dropout features
+    logits: jax.Array  # [N, C]
+    batch_stats: Any  # passed through untouched
+
+
+class Aux(NamedTuple):
+    """The auxiliary output of ``objective_loss``."""
+
+    state: dict  # the objective state after this step
+    metrics: dict  # scalars; "loss" is the value the reference reports
+    domain_losses: jax.Array  # [M] terms whose mean is the objective's data term
+    batch_stats: Any  # from the one forward
+
+
+class CutMixDraws(NamedTuple):
+    """One CutMix draw for a whole batch (dg-algorithms section 3)."""
+
+    apply: jax.Array  # bool scalar: the coin said cut (and beta > 0)
+    lam_box: jax.Array  # float32: 1 - box area / (H * W), the weight of the own labels
+    perm: jax.Array  # [N] int32: row i receives its box from row perm[i]
+    box: jax.Array  # [4] int32: (a1, a2, b1, b2), rows a1:a2 of H and columns b1:b2 of W
+
+
+class _Step(NamedTuple):
+    """The arguments of one ``objective_loss`` call, as each objective reads them."""
+
+    hp: dict
+    forward: Callable[[jax.Array], Outputs]
+    images: jax.Array
+    labels: jax.Array
+    num_domains: int
+    state: dict
+    step: jax.Array
+    key: jax.Array
+    advance: bool
+
+
+_DEFAULTS = {
+    hp.key: hp.default for method in methods.OBJECTIVES.values() for hp in method.hyperparameters
+}
+
+
+def _checked(objective: str) -> str:
+    if objective not in OBJECTIVE_NAMES:
+        raise ValueError(
+            f"unknown objective {objective!r}; choose one of {', '.join(OBJECTIVE_NAMES)}"
+        )
+    return objective
+
+
+def _setting(hp: dict, key: str):
+    """``hp[key]``, or the default of ``methods.OBJECTIVES`` when ``hp`` lacks it."""
+    return hp.get(key, _DEFAULTS[key])
+
+
+def init_state(objective: str, num_domains: int) -> dict:
+    """The objective's state before the first step: GroupDRO's q = ones(M), else {}."""
+    if _checked(objective) == "groupdro":
+        return {"q": jnp.ones([num_domains], jnp.float32)}
+    return {}
+
+
+def reset_optimizer_step(objective: str, hp: dict) -> int | None:
+    """IRM's and VREx's anneal length A: the reference replaces Adam by a fresh one
+    before the update of step A (the step whose penalty weight first is lambda). None
+    for the objectives that never reset it."""
+    if _checked(objective) in ("irm", "vrex"):
+        return int(_setting(hp, f"{objective}_penalty_anneal_iters"))
+    return None
+
+
+def objective_loss(
+    objective: str, hp: dict, forward, images, labels, *, num_domains: int, state: dict,
+    step, key, advance: bool,
+) -> tuple[jax.Array, Aux]:
+    """The loss of ``objective`` on one step's batch, and its ``Aux``.
+
+    ``images`` [N, H, W, C] (augmented, normalized) and ``labels`` [N] hold the
+    ``num_domains`` minibatches of b = N / M rows in ascending environment order.
+    ``forward(images) -> Outputs`` is called exactly once. ``step`` is the number of
+    updates before this one (IRM's and VREx's counter), ``key`` the objective's random
+    draws (Mixup, CutMix). ``advance`` is True for the clean pass, whose state (GroupDRO's
+    q) advances once per step; False for a second evaluation of the same step's loss,
+    which uses ``state`` (already advanced) as given.
+    """
+    objective = _checked(objective)
+    if images.shape[0] % num_domains:
+        raise ValueError(
+            f"{images.shape[0]} rows do not split into {num_domains} equal domain minibatches"
+        )
+    args = _Step(hp, forward, images, labels, num_domains, state, step, key, advance)
+    return _OBJECTIVES[objective](args)
+
+
+# ----------------------------------------------------------------------------
+# Cross-entropy, per domain.
+
+
+def _per_example_cross_entropy(logits, labels) -> jax.Array:
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+
+
+def _domain_losses(logits, labels, num_domains: int) -> jax.Array:
+    """[M] mean cross-entropy of each domain's rows."""
+    return _per_example_cross_entropy(logits, labels).reshape(num_domains, -1).mean(axis=1)
+
+
+def _by_domain(x, num_domains: int) -> jax.Array:
+    """[N, ...] -> [M, b, ...]."""
+    return x.reshape(num_domains, -1, *x.shape[1:])
+
+
+def _annealed_weight(step, anneal_iters: int, weight: float) -> jax.Array:
+    """IRM's and VREx's penalty weight: 1 for steps 0..A-1, ``weight`` from step A on."""
+    return jnp.where(step >= anneal_iters, jnp.float32(weight), jnp.float32(1.0))
+
+
+def _aux(args: _Step, out: Outputs, metrics: dict, domain_losses, state=None) -> Aux:
+    return Aux(args.state if state is None else state, metrics, domain_losses, out.batch_stats)
+
+
+# ----------------------------------------------------------------------------
+# ERM (section 1).
+
+
+def _erm(args: _Step):
+    """L = CE(f(X), Y) over the concatenated batch = the mean of the domain losses."""
+    out = args.forward(args.images)
+    losses = _domain_losses(out.logits, args.labels, args.num_domains)
+    loss = losses.mean()
+    return loss, _aux(args, out, {"loss": loss}, losses)
+
+
+# ----------------------------------------------------------------------------
+# Mixup (section 2).
+
+
+def mixup_draws(key, num_domains: int, alpha: float):
+    """DomainBed's inter-domain pairs and weights: ``(first, second, lam)``.
+
+    pi = a random permutation of the M domains; pair i = (first[i], second[i]) =
+    (pi_i, pi_(i+1) mod M), so every domain is once first and once second;
+    lam[i] ~ Beta(alpha, alpha), one weight per pair shared by all its rows.
+    """
+    perm_key, lam_key = jax.random.split(key)
+    first = jax.random.permutation(perm_key, num_domains)
+    second = jnp.roll(first, -1)
+    lam = jax.random.beta(lam_key, alpha, alpha, (num_domains,)).astype(jnp.float32)
+    return first, second, lam
+
+
+def _mixup(args: _Step):
+    """J = (1/M) sum_i [lam_i CE(f(x~_i), y_first_i) + (1 - lam_i) CE(f(x~_i), y_second_i)],
+    x~_i = lam_i x_first_i + (1 - lam_i) x_second_i (pair i of ``mixup_draws``).
+
+    The M mixed minibatches go through one forward, concatenated in pair order;
+    ``domain_losses[i]`` is pair i's term (pairs in the order of the pair list)."""
+    m = args.num_domains
+    first, second, lam = mixup_draws(args.key, m, _setting(args.hp, "mixup_alpha"))
+    x = _by_domain(args.images, m).astype(jnp.float32)
+    y = _by_domain(args.labels, m)
+    weight = lam.reshape(m, *([1] * (x.ndim - 1)))
+    mixed = weight * x[first] + (1.0 - weight) * x[second]
+    out = args.forward(mixed.reshape(args.images.shape).astype(args.images.dtype))
+    logits = _by_domain(out.logits, m)
+    own = jax.vmap(_per_example_cross_entropy)(logits, y[first]).mean(axis=1)
+    other = jax.vmap(_per_example_cross_entropy)(logits, y[second]).mean(axis=1)
+    pair_losses = lam * own + (1.0 - lam) * other
+    loss = pair_losses.mean()
+    return loss, _aux(args, out, {"loss": loss}, pair_losses)
+
+
+# ----------------------------------------------------------------------------
+# CutMix (section 3).
+
+
+def cutmix_box(lam, centre_a, centre_b, height: int, width: int):
+    """The SAGM repository's box for area weight ``lam`` centred at (centre_a, centre_b):
+    ``(box, lam_box)``.
+
+    c = sqrt(1 - lam); w_a = int(H c), w_b = int(W c);
+    a1 = clip(u - w_a//2, 0, H), a2 = clip(u + w_a//2, 0, H), b1, b2 likewise over W;
+    lam_box = 1 - (a2 - a1)(b2 - b1) / (H W). The reference calls ``np.int``, which NumPy
+    1.24 removed; this is plain ``int`` (floor of a non-negative number).
+    """
+    side = jnp.sqrt(1.0 - jnp.asarray(lam, jnp.float32))
+    half_a = jnp.floor(height * side).astype(jnp.int32) // 2
+    half_b = jnp.floor(width * side).astype(jnp.int32) // 2
+    a1, a2 = jnp.clip(centre_a - half_a, 0, height), jnp.clip(centre_a + half_a, 0, height)
+    b1, b2 = jnp.clip(centre_b - half_b, 0, width), jnp.clip(centre_b + half_b, 0, width)
+    box = jnp.stack([a1, a2, b1, b2]).astype(jnp.int32)
+    lam_box = 1.0 - ((a2 - a1) * (b2 - b1)).astype(jnp.float32) / (height * width)
+    return box, lam_box
+
+
+def cutmix_draws(key, n: int, height: int, width: int, beta: float, prob: float) -> CutMixDraws:
+    """One CutMix draw for a batch of ``n`` images of ``height`` x ``width``, in the
+    reference's order: coin r ~ U(0, 1) (cut when beta > 0 and r < prob),
+    lam ~ Beta(beta, beta), a permutation of the n rows (across domains; i may map to
+    i), centres u ~ U{0..H-1}, v ~ U{0..W-1}; the box from ``cutmix_box``."""
+    coin_key, lam_key, perm_key, a_key, b_key = jax.random.split(key, 5)
+    apply = (beta > 0) & (jax.random.uniform(coin_key) < prob)
+    lam = jax.random.beta(lam_key, beta, beta) if beta > 0 else jnp.float32(1.0)
+    perm = jax.random.permutation(perm_key, n).astype(jnp.int32)
+    centre_a = jax.random.randint(a_key, (), 0, height)
+    centre_b = jax.random.randint(b_key, (), 0, width)
+    box, lam_box = cutmix_box(lam, centre_a, centre_b, height, width)
+    return CutMixDraws(jnp.asarray(apply), lam_box, perm, box)
+
+
+def _cutmix(args: _Step):
+    """X[:, a1:a2, b1:b2] <- X[perm][:, a1:a2, b1:b2] (one box for the batch);
+    L = mean_i [lam_box CE(f(X)_i, y_i) + (1 - lam_box) CE(f(X)_i, y_perm(i))], and
+    L = CE(f(X), Y) when the coin says no. The box is a mask (static shapes under jit);
+    ``domain_losses`` are the per-domain means of the per-row loss."""
+    n, height, width = args.images.shape[:3]
+    draws = cutmix_draws(args.key, n, height, width, _setting(args.hp, "cutmix_beta"),
+                         _setting(args.hp, "cutmix_prob"))
+    a1, a2, b1, b2 = draws.box
+    rows, cols = jnp.arange(height), jnp.arange(width)
+    inside = ((rows >= a1) & (rows < a2))[:, None] & ((cols >= b1) & (cols < b2))[None, :]
+    pasted = jnp.where((inside & draws.apply)[None, :, :, None], args.images[draws.perm],
+                       args.images)
+    out = args.forward(pasted)
+    own_weight = jnp.where(draws.apply, draws.lam_box, 1.0)
+    per_row = own_weight * _per_example_cross_entropy(out.logits, args.labels) + (
+        1.0 - own_weight) * _per_example_cross_entropy(out.logits, args.labels[draws.perm])
+    losses = _by_domain(per_row, args.num_domains).mean(axis=1)
+    loss = per_row.mean()
+    return loss, _aux(args, out, {"loss": loss}, losses)
+
+
+# ----------------------------------------------------------------------------
+# CORAL and MMD (section 7).
+
+
+def coral_penalty(a, b) -> jax.Array:
+    """DomainBed's CORAL distance between feature sets a [n, d] and b [n', d]:
+
+    mu = column means, C = (phi - mu)^T (phi - mu) / (n - 1);
+    D = mean_k (mu_a - mu_b)_k^2 + mean_{k,l} (C_a - C_b)_{kl}^2
+      = ||d mu||^2 / d + ||d C||_F^2 / d^2   (not the CORAL paper's 1 / (4 d^2)).
+    """
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+
+    def mean_and_covariance(x):
+        mean = x.mean(axis=0)
+        centred = x - mean
+        return mean, centred.T @ centred / (x.shape[0] - 1)
+
+    mean_a, cov_a = mean_and_covariance(a)
+    mean_b, cov_b = mean_and_covariance(b)
+    return jnp.mean((mean_a - mean_b) ** 2) + jnp.mean((cov_a - cov_b) ** 2)
+
+
+def _gaussian_kernels(x, y) -> jax.Array:
+    """K(x_i, y_j) = sum_gamma exp(-gamma delta_ij), delta = ||x_i||^2 + ||y_j||^2 - 2 x_i.y_j
+    clamped below at 1e-30 (float rounding can make it negative)."""
+    x_norm = jnp.sum(x * x, axis=1, keepdims=True)
+    y_norm = jnp.sum(y * y, axis=1, keepdims=True)
+    delta = jnp.maximum((y_norm.T - 2.0 * x @ y.T) + x_norm, MMD_DISTANCE_FLOOR)
+    return sum(jnp.exp(-gamma * delta) for gamma in MMD_GAMMAS)
+
+
+def mmd_penalty(a, b) -> jax.Array:
+    """DomainBed's multi-bandwidth Gaussian MMD between a [n, d] and b [n', d]:
+
+    D = mean K(a, a) + mean K(b, b) - 2 mean K(a, b), each mean over all entries
+    (biased estimate, diagonal included), K the sum over gamma in {1e-3, ..., 1e3} of
+    exp(-gamma max(||u - v||^2, 1e-30)) with ||u - v||^2 = ||u||^2 + ||v||^2 - 2 u.v.
+    """
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return (_gaussian_kernels(a, a).mean() + _gaussian_kernels(b, b).mean()
+            - 2.0 * _gaussian_kernels(a, b).mean())
+
+
+_PENALTIES = {"coral": coral_penalty, "mmd": mmd_penalty}
+
+
+def pairwise_penalty(features, kind: str) -> jax.Array:
+    """P = sum_{i<j} D(phi_i, phi_j) / (M (M - 1) / 2) over the M domains' features
+    [M, b, d], D = ``coral_penalty`` (kind "coral") or ``mmd_penalty`` ("mmd");
+    P = 0 when M = 1."""
+    distance = _PENALTIES[kind]
+    pairs = list(itertools.combinations(range(features.shape[0]), 2))
+    if not pairs:
+        return jnp.float32(0.0)
+    return sum(distance(features[i], features[j]) for i, j in pairs) / len(pairs)
+
+
+def _feature_matching(kind: str):
+    def objective(args: _Step):
+        """L = J + mmd_gamma P, J = mean_m CE(z_m, y_m), P = ``pairwise_penalty``; the
+        reported loss is J alone (DomainBed's), the penalty P."""
+        out = args.forward(args.images)
+        losses = _domain_losses(out.logits, args.labels, args.num_domains)
+        data = losses.mean()
+        penalty = pairwise_penalty(_by_domain(out.features, args.num_domains), kind)
+        loss = data + _setting(args.hp, "mmd_gamma") * penalty
+        return loss, _aux(args, out, {"loss": data, "penalty": penalty}, losses)
+
+    return objective
+
+
+# ----------------------------------------------------------------------------
+# GroupDRO (section 8).
+
+
+def _groupdro(args: _Step):
+    """With this step's detached domain losses l: q <- q exp(eta l), q <- q / sum q (once
+    per step, ``advance``), then L = sum_m q_m l_m with q a constant (DomainBed HEAD:
+    no division by M)."""
+    out = args.forward(args.images)
+    losses = _domain_losses(out.logits, args.labels, args.num_domains)
+    q = args.state["q"]
+    if args.advance:
+        q = q * jnp.exp(_setting(args.hp, "groupdro_eta") * jax.lax.stop_gradient(losses))
+        q = q / q.sum()
+    q = jax.lax.stop_gradient(q)
+    loss = jnp.sum(q * losses)
+    return loss, _aux(args, out, {"loss": loss}, losses, state={"q": q})
+
+
+# ----------------------------------------------------------------------------
+# IRM (section 9) and VREx (section 10).
+
+
+def _scale_gradients(logits, labels) -> jax.Array:
+    """d/ds CE(s z, y)|_{s=1} = mean_i (sum_c softmax(z_i)_c z_ic - z_{i,y_i}) for each
+    leading index: logits [M, n, C], labels [M, n] -> [M]."""
+    expected = jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1)
+    true = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+    return jnp.mean(expected - true, axis=-1)
+
+
+def irm_penalty(logits, labels) -> jax.Array:
+    """IRMv1's split-batch penalty over domains: logits [M, b, C], labels [M, b].
+
+    penalty = mean_m g_even_m g_odd_m, g = d/ds CE(s z, y)|_{s=1} on rows [0::2]
+    (even) and [1::2] (odd) of domain m, in closed form (see ``_scale_gradients``);
+    differentiable, so the loss's gradient goes through it (second order)."""
+    logits = logits.astype(jnp.float32)
+    even = _scale_gradients(logits[:, 0::2], labels[:, 0::2])
+    odd = _scale_gradients(logits[:, 1::2], labels[:, 1::2])
+    return jnp.mean(even * odd)
+
+
+def _irm(args: _Step):
+    """L = nll + w penalty, nll = mean_m CE(z_m, y_m), penalty = ``irm_penalty``,
+    w = irm_lambda from step A = irm_penalty_anneal_iters on, else 1."""
+    out = args.forward(args.images)
+    m = args.num_domains
+    losses = _domain_losses(out.logits, args.labels, m)
+    nll = losses.mean()
+    penalty = irm_penalty(_by_domain(out.logits, m), _by_domain(args.labels, m))
+    weight = _annealed_weight(args.step, _setting(args.hp, "irm_penalty_anneal_iters"),
+                              _setting(args.hp, "irm_lambda"))
+    loss = nll + weight * penalty
+    return loss, _aux(args, out, {"loss": loss, "nll": nll, "penalty": penalty}, losses)
+
+
+def _vrex(args: _Step):
+    """L = mu + w penalty, mu = mean_m l_m, penalty = mean_m (l_m - mu)^2 (population
+    variance), w = vrex_lambda from step A = vrex_penalty_anneal_iters on, else 1. The
+    reported ``nll`` is l_(M-1), the last domain's loss (the reference's logging quirk)."""
+    out = args.forward(args.images)
+    losses = _domain_losses(out.logits, args.labels, args.num_domains)
+    mean = losses.mean()
+    penalty = jnp.mean((losses - mean) ** 2)
+    weight = _annealed_weight(args.step, _setting(args.hp, "vrex_penalty_anneal_iters"),
+                              _setting(args.hp, "vrex_lambda"))
+    loss = mean + weight * penalty
+    metrics = {"loss": loss, "nll": losses[-1], "penalty": penalty}
+    return loss, _aux(args, out, metrics, losses)
+
+
+_OBJECTIVES = {
+    "erm": _erm,
+    "mixup": _mixup,
+    "cutmix": _cutmix,
+    "coral": _feature_matching("coral"),
+    "mmd": _feature_matching("mmd"),
+    "groupdro": _groupdro,
+    "irm": _irm,
+    "vrex": _vrex,
+}
+assert tuple(_OBJECTIVES) == OBJECTIVE_NAMES, "objectives and methods.OBJECTIVES disagree"
