@@ -1,7 +1,11 @@
 """sagm_jax: Sharpness-Aware Gradient Matching (SAGM) and its baselines in JAX.
 
 Sub-packages and modules, each owning one part:
-  optimizers   SAGM, SAM and GSAM as optax transformations; the paper's optimizer.
+  optimizers   SAGM, SAM and GSAM (and DISAM's ascent) as optax transformations; the
+               paper's optimizer.
+  methods      the one table of objectives and update rules (labels, hyperparameters).
+  objectives   ERM, Mixup, CutMix, CORAL, MMD, GroupDRO, IRM, VREx: the step's loss.
+  procedures   Fish, AND-mask, MLDG: updates from per-domain gradients.
   sharpness    local sharpness h_rho (the paper's Figure 3).
   models       Flax ResNets with torchvision weights, DomainBed's MNIST CNN, MixStyle.
   data         DomainBed datasets, splits and input pipelines.

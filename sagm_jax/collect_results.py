@@ -18,7 +18,10 @@ steps, never a table built on it; DomainBed's records (no config) are not checke
 
 Grouping (DomainBed's ``reporting.get_grouped_records``): a run's records join the
 group (split, dataset, method, trial_seed, t) for each of its test environments t.
-The METHOD is the algorithm, plus " + MixStyle" when ``config.mixstyle``. Inside a
+The METHOD is ``methods.method_label(objective, algorithm, disam_lambda)`` ("SAGM",
+"ERM + Mixup", "CORAL", "DISAM on SAGM + CORAL"; records without ``objective`` or
+``disam_lambda``, written before they existed, are erm and 0), plus " + MixStyle" when
+``config.mixstyle``. Rows follow the paper's order (:data:`ROW_ORDER`). Inside a
 group, a hyperparameter SETTING is the run's whole config except ``test_envs`` and
 ``all_test_envs``, so the single run (t,) and the pair runs (t, v) of one setting
 meet, which leave-one-domain-out needs. Runs without ``done`` are left out of the
@@ -35,9 +38,16 @@ Tables (accuracy in %):
   * one table per dataset, each test environment a column (mean +- s.e. over seeds);
   * Table 2: in-domain (``split="in_domain"`` runs, ``selection.in_domain_run``)
     next to out-of-domain (Table 1's entry) for every dataset with in-domain runs;
+    every row of the paper's Table 2 (ERM, ERM + Mixup, ERM + CutMix, ERM + MixStyle,
+    Fish, AND-mask, MLDG, SAM, GSAM, SAGM, SAGM + MixStyle), then the sweep's other
+    methods; "↑" / "↓" beside a cell whose per-seed values differ from ERM's at
+    p < 0.05 by Welch's two-sided t-test (:func:`significance_arrow`);
   * Table 3: the ablation rows ERM, SAM, ERM + SAM, SAGM (and "+ MixStyle" variants).
 A cell with no runs is "-"; a cell over fewer trial seeds than the dataset has in the
-sweep shows "(k/n)"; an average including such a cell shows "(partial)".
+sweep shows "(k/n)"; an average including such a cell shows "(partial)". Under
+leave-one-domain-out, a table without any entry for lack of pair runs is replaced by
+a line saying so, and a note lists the methods without pair runs with the sweep
+command that adds them (``--test_envs all_with_pairs``).
 """
 
 from __future__ import annotations

@@ -333,6 +333,8 @@ def pairwise_penalty(features, kind: str) -> jax.Array:
     """P = sum_{i<j} D(phi_i, phi_j) / (M (M - 1) / 2) over the M domains' features
     [M, b, d], D = ``coral_penalty`` (kind "coral") or ``mmd_penalty`` ("mmd");
     P = 0 when M = 1."""
+    if kind not in _PENALTIES:
+        raise ValueError(f"unknown feature penalty {kind!r}; choose one of {', '.join(_PENALTIES)}")
     distance = _PENALTIES[kind]
     pairs = list(itertools.combinations(range(features.shape[0]), 2))
     if not pairs:

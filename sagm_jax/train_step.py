@@ -14,13 +14,21 @@ is the one place that decides the data-parallel mode around it and jits it:
 Both start with ``device_augment.model_inputs``, which augments uint8 image-folder
 batches on the device.
 
-One step, for every algorithm (the optimizer decides how many gradients it needs):
+One step, for every plain and sharpness-aware rule (the optimizer decides how many
+gradients it needs), ``L_B`` being the config's objective (``sagm_jax.objectives``) on
+the step's per-domain minibatches:
 
     g   = grad L_B(w)                              clean pass (its loss is reported)
     d   = optimizer head(g, grad_fn)               SAM/GSAM/SAGM call grad_fn once
     w  <- w + Adam(d + wd * w)                     see optimizers.paper_optimizer
 
-``grad_fn(p, i)`` differentiates the loss of the SAME batch at ``p``. Random
+``grad_fn(p, i)`` differentiates the loss of the SAME batch at ``p``, with the same
+draws of the objective (Mixup's pairs, CutMix's box) and the objective state the clean
+pass advanced to (GroupDRO's ``q`` moves once per step). With DISAM the clean pass also
+gives ``g_DI = grad (L_B - lambda Var_m L_m)`` from the same forward, and the head
+perturbs along it. IRM's and VREx's Adam restarts (all optimizer state back to
+``init``) at the end of their anneal. A procedure (Fish, AND-mask, MLDG) replaces the
+three lines: it updates from each domain's gradient (``sagm_jax.procedures``). Random
 draws derive from ``fold_in(key, step)``, so a resumed run repeats them.
 
 Choices the reference leaves implicit, stated here:
@@ -50,6 +58,7 @@ from sagm_jax import objectives
 from sagm_jax.config import section
 from sagm_jax.data import device_augment
 from sagm_jax.methods import PROCEDURES
+from sagm_jax.optimizers import domain_loss_variance
 
 
 @flax.struct.dataclass
@@ -155,9 +164,10 @@ def make_train_step(
     bfloat16 the parameters and images are cast for the forward and backward
     passes; the parameters, the optimizer and the loss stay in float32. Inside
     ``shard_map`` (the per-device perturbation), ``axis_name`` averages the reported
-    loss and trained BatchNorm statistics over devices. ``optimizer`` is the optax
+    metrics and trained BatchNorm statistics over devices. ``optimizer`` is the optax
     chain of a plain or sharpness-aware rule, or the ``procedures.Procedure`` of
     ``algorithm`` (Fish, AND-mask, MLDG), which updates from per-domain gradients.
+    ``metrics`` holds the reported ``loss`` and the objective's other values.
     """
     is_procedure = algorithm in PROCEDURES
     clean_mixstyle = use_mixstyle and algorithm != "sagm"
@@ -177,31 +187,31 @@ def make_train_step(
 
         def loss_fn(params, dropout_key, mixstyle, objective_state, advance):
             return objectives.objective_loss(
-                method.objective, method.hyperparameters, forward_at(params, dropout_key, mixstyle), batch["image"],
-                batch["label"], num_domains=method.num_domains, state=objective_state,
-                step=state.step, key=objective_key, advance=advance,
+                method.objective, method.hyperparameters,
+                forward_at(params, dropout_key, mixstyle), batch["image"], batch["label"],
+                num_domains=method.num_domains, state=objective_state, step=state.step,
+                key=objective_key, advance=advance,
             )
 
         opt_state = state.opt_state
         if reset_step is not None:  # IRM's and VREx's fresh Adam at the end of the anneal
-            fresh = optimizer.init(state.params)
             opt_state = jax.tree.map(
-                lambda new, old: jnp.where(state.step == reset_step, new, old), fresh, opt_state
+                lambda fresh, old: jnp.where(state.step == reset_step, fresh, old),
+                optimizer.init(state.params), opt_state,
             )
+        batch_stats, objective_state = state.batch_stats, state.objective_state
         if is_procedure:
-            domain_value_and_grad = _domain_value_and_grad(
-                forward_at, batch, clean_key, method.num_domains
-            )
+            per_domain = _domain_value_and_grad(forward_at, batch, clean_key, method.num_domains)
             updates, opt_state, metrics = optimizer.update(
-                state.params, opt_state, domain_value_and_grad, objective_key
+                state.params, opt_state, per_domain, objective_key
             )
-            batch_stats, objective_state = state.batch_stats, state.objective_state
         else:
-            grads, extra, aux = _clean_gradients(loss_fn, state, clean_key, clean_mixstyle,
-                                                 method.disam_lambda)
+            grads, extra, aux = _clean_gradients(
+                loss_fn, state, clean_key, clean_mixstyle, method.disam_lambda
+            )
             objective_state, metrics, batch_stats = aux.state, aux.metrics, aux.batch_stats
 
-            def grad_fn(params, i):
+            def grad_fn(params, i):  # the perturbed pass: the state does not advance again
                 del i
                 return jax.grad(loss_fn, has_aux=True)(
                     params, perturbed_key, use_mixstyle, objective_state, False
@@ -238,7 +248,7 @@ def _clean_gradients(loss_fn, state: TrainState, key, mixstyle, disam_lambda: fl
 
     def both(params):
         loss, aux = loss_fn(params, key, mixstyle, state.objective_state, True)
-        return jnp.stack([loss, loss - disam_lambda * jnp.var(aux.domain_losses)]), aux
+        return jnp.stack([loss, loss - disam_lambda * domain_loss_variance(aux.domain_losses)]), aux
 
     _, vjp, aux = jax.vjp(both, state.params, has_aux=True)
     (grads,) = vjp(jnp.array([1.0, 0.0]))

@@ -119,3 +119,24 @@ def test_the_readme_lists_every_method_as_the_tables_say():
     with open(os.path.join(REPO, "README.md")) as f:
         readme = f.read()
     assert methods.markdown_table() in readme
+
+
+def test_mixstyles_probability_and_beta_reach_every_layer():
+    import jax
+
+    from sagm_jax import models
+
+    config = base_config()
+    config.update(dict(arch="resnet18", pretrained_weights="none", mixstyle=True,
+                       mixstyle_p=1.0, mixstyle_alpha=0.3, mixstyle_after=(1, 2)))
+    model, variables, _ = models.from_config(config, 2, (32, 32, 3), jax.random.key(0))
+    assert (model.mixstyle_p, model.mixstyle_alpha, model.mixstyle_after) == (1.0, 0.3, (1, 2))
+    # p = 1: every training call restyles (the layer records its coin when asked).
+    _, recorded = model.apply(
+        variables, jax.numpy.ones((4, 32, 32, 3)) * jax.numpy.arange(4.0)[:, None, None, None],
+        train=True, mixstyle=True, rngs={"dropout": jax.random.key(1),
+                                          "mixstyle": jax.random.key(2)},
+        mutable=["intermediates"],
+    )
+    draws = recorded["intermediates"]
+    assert all(bool(draws[f"mixstyle{s}"]["draws"][0]["applied"]) for s in (1, 2))

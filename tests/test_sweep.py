@@ -14,7 +14,7 @@ import pytest
 
 from sagm_jax import collect_results
 from sagm_jax.sweep import jobs as sweep_jobs, launchers
-from sagm_jax.sweep.__main__ import main as sweep_main, parse_args
+from sagm_jax.sweep.__main__ import main as sweep_main, make_jobs, parse_args
 
 GRID = {"lr": [1e-5, 3e-5], "alpha": [1e-3, 5e-4]}
 
@@ -473,10 +473,12 @@ def test_gsam_sweeps_its_own_alpha_and_sagm_its_own(tmp_path):
 
 
 def test_sweep_takes_its_names_from_the_registries():
+    from sagm_jax import methods
     from sagm_jax.data import registry
-    from sagm_jax.optimizers import ALGORITHMS
 
-    assert sweep_jobs.ALGORITHMS is ALGORITHMS
+    for hp in methods.hyperparameters():  # each method hyperparameter is its owners'
+        assert sweep_jobs.USED_BY.get(hp.key, ()) == methods.owners(hp.key)
+    assert sweep_jobs.USED_BY["rho"] == methods.HEADS
     assert sweep_jobs.CONFIG_FILES == {
         name: path for name, path in registry.CONFIG_FILES.items() if name != "ImageFolder"
     }
@@ -509,7 +511,87 @@ def test_help_documents_the_grid_arguments(capsys):
     options = " ".join(capsys.readouterr().out.split("options:", 1)[1].split())
     datasets = options.split("--datasets", 1)[1].split("--algorithms", 1)[0]
     assert "RotatedDigits" in datasets and "PACS" in datasets
-    algorithms = options.split("--algorithms", 1)[1].split("--test_envs", 1)[0]
-    assert "erm" in algorithms and "sagm" in algorithms and "sagm_jax.optimizers" in algorithms
+    algorithms = options.split("--algorithms", 1)[1].split("--objectives", 1)[0]
+    assert "fish" in algorithms and "and_mask" in algorithms and "sagm_jax.methods" in algorithms
+    objectives = options.split("--objectives", 1)[1].split("--disam_lambdas", 1)[0]
+    assert "coral" in objectives and "vrex" in objectives and "Default: erm" in objectives
+    assert "0 = off" in options.split("--disam_lambdas", 1)[1].split("--test_envs", 1)[0]
     test_envs = options.split("--test_envs", 1)[1].split("--trial_seeds", 1)[0]
     assert "all_with_pairs" in test_envs and "all" in test_envs and "0,1" in test_envs
+
+
+# --- methods: update rules x objectives x DISAM -------------------------------------
+
+
+def method_jobs(tmp_path, argv):
+    base = ["launch", "--datasets", "PACS", "--test_envs", "0", "--output_dir", str(tmp_path)]
+    return make_jobs(parse_args(base + argv))
+
+
+def test_every_update_rule_and_objective_is_reachable_and_refusals_are_skipped(
+    tmp_path, capsys
+):
+    from sagm_jax import methods
+
+    argv = ["--algorithms", *methods.UPDATE_RULES, "--objectives", *methods.OBJECTIVES]
+    jobs = method_jobs(tmp_path, argv + ["--disam_lambdas", "0", "0.1"])
+    made = {
+        (j.args["algorithm"], j.args.get("objective", "erm"), j.args.get("disam_lambda", 0))
+        for j in jobs
+    }
+    # Procedures take objective erm only; DISAM acts on sam, gsam and sagm only.
+    expected = {
+        (a, o, d)
+        for a in methods.UPDATE_RULES
+        for o in methods.OBJECTIVES
+        for d in (0, 0.1)
+        if (a not in ("fish", "and_mask", "mldg") or o == "erm")
+        and (d == 0 or a in ("sam", "gsam", "sagm"))
+    }
+    assert made == expected and len(jobs) == len(expected)
+    skipped = capsys.readouterr().err.splitlines()
+    total = len(methods.UPDATE_RULES) * len(methods.OBJECTIVES) * 2
+    assert len(skipped) == total - len(expected)
+    assert "sweep: skipped objective=coral algorithm=fish disam_lambda=0.0: " in "\n".join(skipped)
+    assert all(line.startswith("sweep: skipped objective=") for line in skipped)
+
+
+def test_objective_and_disam_join_a_jobs_arguments_only_when_not_the_default(tmp_path):
+    """A sweep launched before objectives existed keeps its job folders."""
+    argv = ["--algorithms", "sagm", "--objectives", "erm", "coral", "--disam_lambdas", "0", "0.1"]
+    jobs = method_jobs(tmp_path, argv + ["--set", "steps=301"])
+    plain = next(j for j in jobs if set(j.args) == {*sweep_jobs.SWEEP_KEYS, "steps"})
+    old = jobs_for(tmp_path, algorithms=["sagm"], test_envs=["0"], trial_seeds=[0], grid={})
+    assert plain.directory == old[0].directory
+    both = next(j for j in jobs if "objective" in j.args and "disam_lambda" in j.args)
+    assert (both.args["objective"], both.args["disam_lambda"]) == ("coral", 0.1)
+    assert {"--config.objective=coral", "--config.disam_lambda=0.1"} <= set(both.command())
+    assert len({j.directory for j in jobs}) == len(jobs) == 4
+
+
+def test_a_methods_own_hyperparameters_are_swept_for_it_alone(tmp_path):
+    argv = ["--algorithms", "erm", "fish", "sagm", "--objectives", "erm", "mixup"]
+    grid = ["--grid", "lr=1e-5,3e-5", "mixup_alpha=0.1,0.2", "fish_meta_lr=0.1,0.5"]
+    jobs = method_jobs(tmp_path, argv + grid)
+    keys = {}
+    for j in jobs:
+        method = (j.args["algorithm"], j.args.get("objective", "erm"))
+        keys.setdefault(method, []).append(sorted(set(j.args) - set(sweep_jobs.SWEEP_KEYS)))
+    assert keys[("erm", "erm")] == [["lr"]] * 2
+    assert keys[("erm", "mixup")] == [["lr", "mixup_alpha", "objective"]] * 4
+    assert keys[("fish", "erm")] == [["fish_meta_lr", "lr"]] * 4
+    assert keys[("sagm", "mixup")] == [["lr", "mixup_alpha", "objective"]] * 4
+    assert ("fish", "mixup") not in keys  # refused
+
+
+def test_bad_method_arguments_are_named(tmp_path, capsys):
+    for argv, expected in (
+        (["--objectives", "nope"], "--objectives 'nope'"),
+        (["--algorithms", "swad"], "--algorithms 'swad'"),
+        (["--disam_lambdas", "-1"], "each must be >= 0"),
+        (["--algorithms", "fish", "--objectives", "coral"], "no combination"),
+        (["--grid", "objective=erm,coral"], "--grid objective"),
+        (["--set", "disam_lambda=0.1"], "--set disam_lambda"),
+    ):
+        out = sweep_main(["status", "--datasets", "PACS", "--output_dir", str(tmp_path), *argv])
+        assert out == 2 and expected in capsys.readouterr().err, argv

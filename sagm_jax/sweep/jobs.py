@@ -230,13 +230,13 @@ def make_jobs(
     # The sweep itself sets these (and the grid its keys); a --set of one would give
     # several jobs the same arguments.
     axes = set(SWEEP_KEYS) | set(DEFAULT_AXES)
-    clash = sorted(set(fixed) & (axes | set(grid)))
-    if clash or set(grid) & axes:
-        raise ValueError(
-            f"--set/--grid {', '.join(clash or sorted(set(grid) & axes))}: set by the sweep's "
-            "own options (--algorithms, --objectives, --disam_lambdas, --test_envs, "
-            "--trial_seeds, --grid / --hparams)."
-        )
+    for flag, clash in (("--set", set(fixed) & (axes | set(grid))), ("--grid", set(grid) & axes)):
+        if clash:
+            raise ValueError(
+                f"{flag} {', '.join(sorted(clash))}: set by the sweep's own options "
+                "(--algorithms, --objectives, --disam_lambdas, --test_envs, --trial_seeds, "
+                "--grid / --hparams)."
+            )
     for dataset in datasets:
         if dataset not in CONFIG_FILES:
             raise ValueError(f"--datasets {dataset!r}: expected one of {', '.join(CONFIG_FILES)}.")
