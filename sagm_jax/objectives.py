@@ -148,13 +148,15 @@ def objective_loss(
 # Cross-entropy, per domain.
 
 
-def _per_example_cross_entropy(logits, labels) -> jax.Array:
+def per_example_cross_entropy(logits, labels) -> jax.Array:
+    """Cross-entropy of each example, computed in float32 (the one definition: the
+    train step, the evaluator's losses and the sharpness curves use it)."""
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
 
 
 def _domain_losses(logits, labels, num_domains: int) -> jax.Array:
     """[M] mean cross-entropy of each domain's rows."""
-    return _per_example_cross_entropy(logits, labels).reshape(num_domains, -1).mean(axis=1)
+    return per_example_cross_entropy(logits, labels).reshape(num_domains, -1).mean(axis=1)
 
 
 def _by_domain(x, num_domains: int) -> jax.Array:
@@ -215,8 +217,8 @@ def _mixup(args: _Step):
     mixed = weight * x[first] + (1.0 - weight) * x[second]
     out = args.forward(mixed.reshape(args.images.shape).astype(args.images.dtype))
     logits = _by_domain(out.logits, m)
-    own = jax.vmap(_per_example_cross_entropy)(logits, y[first]).mean(axis=1)
-    other = jax.vmap(_per_example_cross_entropy)(logits, y[second]).mean(axis=1)
+    own = jax.vmap(per_example_cross_entropy)(logits, y[first]).mean(axis=1)
+    other = jax.vmap(per_example_cross_entropy)(logits, y[second]).mean(axis=1)
     pair_losses = lam * own + (1.0 - lam) * other
     loss = pair_losses.mean()
     return loss, _aux(args, out, {"loss": loss}, pair_losses)
@@ -275,8 +277,8 @@ def _cutmix(args: _Step):
                        args.images)
     out = args.forward(pasted)
     own_weight = jnp.where(draws.apply, draws.lam_box, 1.0)
-    per_row = own_weight * _per_example_cross_entropy(out.logits, args.labels) + (
-        1.0 - own_weight) * _per_example_cross_entropy(out.logits, args.labels[draws.perm])
+    per_row = own_weight * per_example_cross_entropy(out.logits, args.labels) + (
+        1.0 - own_weight) * per_example_cross_entropy(out.logits, args.labels[draws.perm])
     losses = _by_domain(per_row, args.num_domains).mean(axis=1)
     loss = per_row.mean()
     return loss, _aux(args, out, {"loss": loss}, losses)

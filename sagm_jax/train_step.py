@@ -55,6 +55,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from sagm_jax import objectives
+from sagm_jax.objectives import per_example_cross_entropy
 from sagm_jax.config import section
 from sagm_jax.data import device_augment
 from sagm_jax.methods import PROCEDURES
@@ -92,11 +93,6 @@ def apply_model(model: nn.Module, params, batch_stats, images, compute_dtype, **
         variables["batch_stats"] = batch_stats
     kwargs.setdefault("train", False)
     return model.apply(variables, images.astype(compute_dtype), **kwargs)
-
-
-def per_example_cross_entropy(logits, labels) -> jax.Array:
-    """Cross-entropy of each example, computed in float32."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
 
 
 def cross_entropy(logits, labels) -> jax.Array:
@@ -193,12 +189,7 @@ def make_train_step(
                 key=objective_key, advance=advance,
             )
 
-        opt_state = state.opt_state
-        if reset_step is not None:  # IRM's and VREx's fresh Adam at the end of the anneal
-            opt_state = jax.tree.map(
-                lambda fresh, old: jnp.where(state.step == reset_step, fresh, old),
-                optimizer.init(state.params), opt_state,
-            )
+        opt_state = _restarted(optimizer, state, reset_step)
         batch_stats, objective_state = state.batch_stats, state.objective_state
         if is_procedure:
             per_domain = _domain_value_and_grad(forward_at, batch, clean_key, method.num_domains)
@@ -232,6 +223,18 @@ def make_train_step(
         return state, metrics
 
     return train_step
+
+
+def _restarted(optimizer, state: TrainState, reset_step: int | None):
+    """The optimizer state for this step: ``optimizer.init`` at ``reset_step`` (IRM's and
+    VREx's fresh Adam at the end of their anneal, head included), else the state's."""
+    if reset_step is None:
+        return state.opt_state
+    return jax.tree.map(
+        lambda fresh, old: jnp.where(state.step == reset_step, fresh, old),
+        optimizer.init(state.params),
+        state.opt_state,
+    )
 
 
 def _clean_gradients(loss_fn, state: TrainState, key, mixstyle, disam_lambda: float):

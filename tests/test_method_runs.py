@@ -87,24 +87,26 @@ def _stop_before(step_to_stop, monkeypatch):
 @pytest.mark.parametrize(
     "method",
     [
-        dict(objective="groupdro", algorithm="sagm"),  # q
-        dict(objective="irm", algorithm="erm", irm_penalty_anneal_iters=5),  # restart at 5
-        dict(objective="mixup", algorithm="sagm", disam_lambda=0.5),  # draws
-        dict(algorithm="fish"),  # the persistent inner Adam
-        dict(algorithm="mldg", mldg_n_meta_test=1),  # the domain permutation
+        # The state beyond the optimizer's: GroupDRO's q (under a head, with DISAM and
+        # Mixup's draws), IRM's Adam restart on the first step after the resume, Fish's
+        # persistent inner Adam. Random draws (Mixup's, MLDG's permutation) are functions
+        # of (seed, step), as dropout's, which tests/test_train.py resumes.
+        dict(objective="groupdro", algorithm="sagm", disam_lambda=0.5),
+        dict(objective="irm", algorithm="erm", irm_penalty_anneal_iters=3),
+        dict(algorithm="fish"),
     ],
     ids=lambda m: "-".join(map(str, m.values())),
 )
 def test_a_stateful_method_resumes_exactly(tmp_path, monkeypatch, method):
-    config = digits_config(steps=7, eval_every=2, **method)
-    whole = train.train_and_evaluate(config, str(tmp_path / "whole"))  # steps 0, 2, 4, 6
+    config = digits_config(steps=5, eval_every=2, **method)
+    train.train_and_evaluate(config, str(tmp_path / "whole"))  # records 0, 2, 4
     with monkeypatch.context() as patch:
-        _stop_before(5, patch)  # after the checkpoint of step 4
+        _stop_before(3, patch)  # after the checkpoint of step 2
         with pytest.raises(Killed):
             train.train_and_evaluate(config, str(tmp_path / "killed"))
     train.train_and_evaluate(config, str(tmp_path / "killed"))
     resumed = train.read_records(str(tmp_path / "killed"))
-    assert len(resumed) == len(whole) == 4
+    assert len(resumed) == 3
     for again, first in zip(resumed, train.read_records(str(tmp_path / "whole"))):
         differ = {k for k in first if k != "args" and again.get(k) != first[k]}
         assert not differ, (first["step"], differ)

@@ -121,22 +121,40 @@ def test_the_readme_lists_every_method_as_the_tables_say():
     assert methods.markdown_table() in readme
 
 
-def test_mixstyles_probability_and_beta_reach_every_layer():
-    import jax
-
+def test_mixstyles_probability_and_beta_reach_the_network(monkeypatch):
     from sagm_jax import models
 
+    built = {}
+
+    class Built(Exception):
+        pass
+
+    def create(*args, **kwargs):
+        built.update(kwargs)
+        raise Built  # the network's constructor arguments are what this test checks
+
+    monkeypatch.setattr(models, "create", create)
     config = base_config()
-    config.update(dict(arch="resnet18", pretrained_weights="none", mixstyle=True,
-                       mixstyle_p=1.0, mixstyle_alpha=0.3, mixstyle_after=(1, 2)))
-    model, variables, _ = models.from_config(config, 2, (32, 32, 3), jax.random.key(0))
-    assert (model.mixstyle_p, model.mixstyle_alpha, model.mixstyle_after) == (1.0, 0.3, (1, 2))
-    # p = 1: every training call restyles (the layer records its coin when asked).
-    _, recorded = model.apply(
-        variables, jax.numpy.ones((4, 32, 32, 3)) * jax.numpy.arange(4.0)[:, None, None, None],
-        train=True, mixstyle=True, rngs={"dropout": jax.random.key(1),
-                                          "mixstyle": jax.random.key(2)},
-        mutable=["intermediates"],
+    config.update(dict(arch="resnet18", mixstyle=True, mixstyle_p=1.0, mixstyle_alpha=0.3))
+    with pytest.raises(Built):
+        models.from_config(config, 2, (32, 32, 3), None)
+    assert (built["mixstyle_p"], built["mixstyle_alpha"]) == (1.0, 0.3)
+    # ... and the ResNet gives them to each of its MixStyle layers (traced, not compiled).
+    import jax
+
+    from sagm_jax.models import mixstyle, resnet
+
+    layers = []
+
+    class RecordedMixStyle(mixstyle.MixStyle):
+        def __call__(self, x, active):
+            layers.append((self.p, self.alpha))
+            return super().__call__(x, active)
+
+    monkeypatch.setattr(resnet, "MixStyle", RecordedMixStyle)
+    network = resnet.ResNet("resnet18", 2, mixstyle_after=(1, 3), mixstyle_p=1.0,
+                            mixstyle_alpha=0.3)
+    jax.eval_shape(
+        lambda key, x: network.init(key, x, train=False), jax.random.key(0), jax.numpy.ones((2, 32, 32, 3))
     )
-    draws = recorded["intermediates"]
-    assert all(bool(draws[f"mixstyle{s}"]["draws"][0]["applied"]) for s in (1, 2))
+    assert layers == [(1.0, 0.3), (1.0, 0.3)]

@@ -171,3 +171,71 @@ def test_per_device_mode_keeps_the_replicated_copies_equal(algorithm):
         assert len(copies) == 4
         for copy in copies[1:]:
             np.testing.assert_array_equal(copy, copies[0])
+
+
+def _restated_objective(objective, params, images, labels, q, gamma=0.7, eta=0.3):
+    """CORAL or GroupDRO of ToyModel over 3 equal domains, written from the spec
+    (dg-algorithms sections 7, 8) in float64, independently of sagm_jax.objectives.
+    Returns (loss, per-domain cross-entropies, GroupDRO's advanced q)."""
+    feats = images.reshape(images.shape[0], -1)
+    logits = feats @ params["Dense_0"]["kernel"] + params["Dense_0"]["bias"]
+    logp = jax.nn.log_softmax(logits)
+    ce = -jnp.take_along_axis(logp, labels[:, None], 1)[:, 0]
+    domain_ce = ce.reshape(3, -1).mean(1)
+    if objective == "groupdro":
+        q = q * jnp.exp(eta * jax.lax.stop_gradient(domain_ce))
+        q = q / q.sum()
+        return jnp.sum(q * domain_ce), domain_ce, q
+    f = feats.reshape(3, -1, feats.shape[-1])
+    d = f.shape[-1]
+    penalty = 0.0
+    for i, j in ((0, 1), (0, 2), (1, 2)):
+        mu_i, mu_j = f[i].mean(0), f[j].mean(0)
+        c_i = (f[i] - mu_i).T @ (f[i] - mu_i) / (f.shape[1] - 1)
+        c_j = (f[j] - mu_j).T @ (f[j] - mu_j) / (f.shape[1] - 1)
+        penalty += jnp.sum((mu_i - mu_j) ** 2) / d + jnp.sum((c_i - c_j) ** 2) / d**2
+    return domain_ce.mean() + gamma * penalty / 3, domain_ce, q
+
+
+@pytest.mark.parametrize(
+    "objective,disam_lambda", [("coral", 0.0), ("coral", 0.8), ("groupdro", 0.0)]
+)
+def test_sagm_receives_the_objectives_gradient_at_both_points(objective, disam_lambda):
+    """SAGM + CORAL (and + GroupDRO, and DISAM on SAGM + CORAL): the head's direction is
+    1/2 (grad L(w) + grad L(w + e)) of the OBJECTIVE, e from its (or DISAM's) gradient,
+    GroupDRO's q advanced once and held in the perturbed pass; against a float64
+    re-statement of the whole step."""
+    from sagm_jax.train_step import StepMethod
+
+    rho, alpha = 0.5, 0.01
+    model, batch = ToyModel(), make_batch(n=12, seed=3)
+    variables = model.init(jax.random.key(0), batch["image"], train=False)
+    opt = optax.chain(sagm_jax.sagm(rho=rho, alpha=alpha), optax.sgd(1.0))  # update = -d
+    method = StepMethod(objective, {"mmd_gamma": 0.7, "groupdro_eta": 0.3}, 3, disam_lambda)
+    state = create_train_state(variables, opt, {"q": jnp.ones(3)} if objective == "groupdro" else {})
+    step = jax.jit(make_train_step(model, opt, algorithm="sagm", method=method))
+    new_state, metrics = step(state, batch, jax.random.key(1))
+    with jax.enable_x64(True):
+        w = jax.tree.map(lambda p: jnp.asarray(p, jnp.float64), variables["params"])
+        x, y, q0 = jnp.asarray(batch["image"], jnp.float64), jnp.asarray(batch["label"]), jnp.ones(3)
+
+        def ascent(p):
+            loss, domain_ce, _ = _restated_objective(objective, p, x, y, q0)
+            return loss - disam_lambda * jnp.var(domain_ce)
+
+        g = jax.grad(lambda p: _restated_objective(objective, p, x, y, q0)[0])(w)
+        g_ascent = jax.grad(ascent)(w)
+        q1 = _restated_objective(objective, w, x, y, q0)[2]
+        norm = jnp.sqrt(sum(jnp.sum(v**2) for v in jax.tree.leaves(g_ascent)))
+        e = jax.tree.map(lambda a: (rho / norm - alpha) * a, g_ascent)
+        w_e = jax.tree.map(jnp.add, w, e)
+        if objective == "groupdro":  # the perturbed pass weighs by the advanced q
+            perturbed = lambda p: jnp.sum(q1 * _restated_objective("coral", p, x, y, q0)[1])
+        else:
+            perturbed = lambda p: _restated_objective(objective, p, x, y, q0)[0]
+        g_p = jax.grad(perturbed)(w_e)
+        expected = jax.tree.map(lambda a, b, p: p - 0.5 * (a + b), g, g_p, w)
+        for got, want in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(expected)):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+        if objective == "groupdro":
+            np.testing.assert_allclose(np.asarray(new_state.objective_state["q"]), q1, rtol=1e-5)
