@@ -14,4 +14,5 @@ def get_config():
     config.weight_decay = 1e-6
     config.alpha = 5e-4  # SAGM's alpha
     config.steps = 15001
+    config.swad_eval_every = 500  # SWAD's DomainNet frequency, used with --config.swad=True
     return config

@@ -14,4 +14,6 @@ def get_config():
     config.weight_decay = 1e-4
     config.alpha = 1e-3  # SAGM's alpha
     config.steps = 5001
+    # SWAD's VLCS setting (khanrc/swad's README command), used with --config.swad=True.
+    config.swad_eval_every, config.swad_tolerance_ratio = 50, 0.2
     return config

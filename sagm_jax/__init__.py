@@ -6,6 +6,9 @@ Sub-packages and modules, each owning one part:
   methods      the one table of objectives and update rules (labels, hyperparameters).
   objectives   ERM, Mixup, CutMix, CORAL, MMD, GroupDRO, IRM, VREx: the step's loss.
   procedures   Fish, AND-mask, MLDG: updates from per-domain gradients.
+  swad, averaging, swad_run
+               SWAD: the loss valley, the weight averages, SWAD in a run.
+  hparams      DomainBed's random hyperparameter search.
   sharpness    local sharpness h_rho (the paper's Figure 3).
   models       Flax ResNets with torchvision weights, DomainBed's MNIST CNN, MixStyle.
   data         DomainBed datasets, splits and input pipelines.

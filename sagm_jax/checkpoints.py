@@ -44,6 +44,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 from sagm_jax import rundir
 
 DIRECTORY = rundir.CHECKPOINTS
+SWAD_DIRECTORY = rundir.SWAD_MODEL
 
 
 def _rank(metrics: dict):
@@ -214,4 +215,27 @@ def restore_variables(workdir: str, step: int) -> dict:
             f"(it holds {list(manager.all_steps())})."
         )
     restored = manager.restore(step, args=ocp.args.StandardRestore())
+    return {"params": restored["params"], "batch_stats": restored.get("batch_stats") or {}}
+
+
+def save_swad_variables(workdir: str, variables: dict) -> None:
+    """Writes SWAD's final model, ``{'params', 'batch_stats'}``, to ``workdir/swad_model``
+    (replacing an earlier one, as a relaunch that finishes again writes it again)."""
+    path = os.path.abspath(os.path.join(workdir, SWAD_DIRECTORY))
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, variables)
+
+
+def restore_swad_variables(workdir: str) -> dict:
+    """SWAD's final model of a finished SWAD run (:func:`save_swad_variables`)."""
+    path = os.path.abspath(os.path.join(workdir, SWAD_DIRECTORY))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"{path}: no SWAD model; the run in {workdir} did not train with "
+            "--config.swad=True, or has not finished."
+        )
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(path)
     return {"params": restored["params"], "batch_stats": restored.get("batch_stats") or {}}

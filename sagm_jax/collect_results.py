@@ -3,7 +3,9 @@ selects models (``sagm_jax.selection``) and prints the paper's tables in Markdow
 
     python -m sagm_jax.collect_results --input_dir sweeps/digits \
         [--selection training_domain|leave_one_out|oracle_last|oracle_best] \
-        [--latex] [--pm +/-] [--output FILE]
+        [--latex] [--pm +/-] [--winners] [--output FILE]
+    python -m sagm_jax.collect_results --top_hparams --input_dir sweeps/digits \
+        --dataset RotatedDigits --algorithm "SAGM + CORAL" --test_env 0
 
 Records written by DomainBed's ``train.py`` (no ``config``; ``args.hparams_seed``) are
 read too, so our sweeps and DomainBed's published ones can share a table: their
@@ -28,6 +30,21 @@ meet, which leave-one-domain-out needs. Runs without ``done`` are left out of th
 tables and listed in a note. Of settings with equal validation accuracy, the one with
 the largest ``args.hparams_seed`` is chosen, as DomainBed's reader chooses.
 
+SWAD: a finished run with a SWAD record (``rundir.SWAD_RESULTS``: one record of the
+averaged model, with the keys of a results.jsonl record and ``"swad"``) also gives a
+run of the row "<method> + SWAD" whose only record is that one (:func:`swad_runs`),
+placed right after its method's row. Its settings are chosen among the SWAD records
+by the same rules, so a cell is the test environment's ``in`` accuracy of the SWAD
+model of the setting whose SWAD model has the best mean training-environment ``out``
+accuracy (the oracles: the best test-environment ``out`` accuracy; leave-one-domain-out:
+the pair runs' SWAD models). Runs without a SWAD record give no "+ SWAD" row.
+
+Which setting won: ``--winners`` adds, per dataset, a table of the chosen setting of
+each (method, test environment, trial seed): its accuracies, the hyperparameters that
+vary between the settings of that cell (:func:`varying_keys`) and its folder.
+``--top_hparams`` (:func:`top_hparams`) prints every setting of one (dataset, method,
+test environment) ranked, as DomainBed's ``list_top_hparams`` does.
+
 Tables (accuracy in %):
   * Table 1: rows = methods, columns = datasets and their average. A dataset's
     entry, per trial seed, is the mean over its test environments; the cell is the
@@ -42,7 +59,8 @@ Tables (accuracy in %):
     Fish, AND-mask, MLDG, SAM, GSAM, SAGM, SAGM + MixStyle), then the sweep's other
     methods; "↑" / "↓" beside a cell whose per-seed values differ from ERM's at
     p < 0.05 by Welch's two-sided t-test (:func:`significance_arrow`);
-  * Table 3: the ablation rows ERM, SAM, ERM + SAM, SAGM (and "+ MixStyle" variants).
+  * Table 3: the ablation rows ERM, SAM, ERM + SAM, SAGM (and "+ MixStyle" variants;
+    no "+ SWAD" rows).
 A cell with no runs is "-"; a cell over fewer trial seeds than the dataset has in the
 sweep shows "(k/n)"; an average including such a cell shows "(partial)". Under
 leave-one-domain-out, a table without any entry for lack of pair runs is replaced by
@@ -68,6 +86,11 @@ from sagm_jax.data.registry import PAPER_DATASETS, env_label  # the tables' colu
 from sagm_jax.sweep.jobs import ARGS
 
 MIXSTYLE = " + MixStyle"
+SWAD = " + SWAD"  # the row of a method's SWAD models (swad_runs)
+# A SWAD record's step in its run of the "+ SWAD" row: one step for every SWAD model, so
+# that leave-one-domain-out pairs the single run's SWAD model with the pair runs' (their
+# valleys may end at different steps; the averaged range is in the record's "swad").
+SWAD_STEP = 0
 ERM = methods.method_label("erm", "erm")  # the reference row of Table 2's arrows
 # The paper's order of the update rules in Tables 1 and 3 (a test checks that it names
 # exactly the heads of sagm_jax.methods), and Table 3's ablation rows.
@@ -174,8 +197,8 @@ def method_of(record: dict) -> tuple[str, str, float]:
 
 
 def method_name(record: dict) -> str:
-    """The row of a record: ``methods.method_label`` (+ " + MixStyle"), or DomainBed's
-    ``args.algorithm`` + " (DomainBed)"."""
+    """The row of a record: ``methods.method_label`` (+ " + MixStyle"; + " + SWAD" for a
+    SWAD record, which has ``"swad"``), or DomainBed's ``args.algorithm`` + " (DomainBed)"."""
     if is_domainbed(record):
         return f"{record['args']['algorithm']}{DOMAINBED}"
     objective, algorithm, disam = method_of(record)
@@ -183,7 +206,27 @@ def method_name(record: dict) -> str:
         label = methods.method_label(objective, algorithm, disam)
     else:  # a name this version does not know: shown as recorded
         label = algorithm if objective == "erm" else f"{algorithm} + {objective}"
-    return label + (MIXSTYLE if record["config"].get("mixstyle") else "")
+    label += MIXSTYLE if record["config"].get("mixstyle") else ""
+    return label + (SWAD if "swad" in record else "")
+
+
+def swad_runs(runs: list[Run], input_dir: str) -> list[Run]:
+    """The runs of the "+ SWAD" rows: for each finished run with a SWAD record
+    (``rundir.read_swad_record``), a run at the same path whose one record is that
+    record with ``step`` set to :data:`SWAD_STEP` (:func:`method_name` names its row)."""
+    found = []
+    for run in runs:
+        record = rundir.read_swad_record(os.path.join(input_dir, run.path)) if run.done else None
+        if record is None:
+            continue
+        if not {"swad", "args", "config"} <= set(record):
+            raise ValueError(
+                f"{os.path.join(input_dir, run.path, rundir.SWAD_RESULTS)}: the SWAD record "
+                "lacks 'swad', 'args' or 'config'; expected the record that sagm_jax.train "
+                "writes for the SWAD model."
+            )
+        found.append(Run(run.path, True, [{**record, "step": SWAD_STEP}]))
+    return found
 
 
 def setting_key(record: dict) -> str:
@@ -201,10 +244,11 @@ def split_of(record: dict) -> str:
     return "domainbed" if is_domainbed(record) else record["config"].get("split", "domainbed")
 
 
-def group_runs(runs: list[Run]) -> dict:
-    """``{(split, dataset, method, trial_seed, t): {setting: {test_envs: records}}}``."""
+def group_runs(runs: list[Run], where: dict | None = None) -> dict:
+    """``{(split, dataset, method, trial_seed, t): {setting: {test_envs: records}}}``;
+    ``where``, when given, receives ``{(group, setting, test_envs): run path}``."""
     groups = collections.defaultdict(dict)
-    where = {}
+    where = {} if where is None else where
     for run in runs:
         first = run.records[0]
         args = first["args"]
@@ -240,10 +284,18 @@ def tie_order(item: tuple) -> tuple:
 
 
 def select(groups: dict, selection_name: str) -> dict:
-    """``{(split, dataset, method, trial_seed, t): test accuracy}`` of the chosen models;
-    in-domain groups are scored by ``selection.in_domain_run``. Ties between settings
-    are broken as DomainBed's reader breaks them (:func:`tie_order`); within a run,
-    the earliest of equal checkpoints wins (DomainBed's ``argmax`` too)."""
+    """``{(split, dataset, method, trial_seed, t): test accuracy}`` of the chosen models
+    (:func:`select_settings`)."""
+    chosen = select_settings(groups, selection_name)
+    return {group: choice["test_acc"] for group, choice in chosen.items()}
+
+
+def select_settings(groups: dict, selection_name: str) -> dict:
+    """``{(split, dataset, method, trial_seed, t): {"step", "val_acc", "test_acc",
+    "setting"}}`` of the chosen models; in-domain groups are scored by
+    ``selection.in_domain_run``. Ties between settings are broken as DomainBed's reader
+    breaks them (:func:`tie_order`); within a run, the earliest of equal checkpoints
+    wins (DomainBed's ``argmax`` too)."""
     if selection_name not in selection.RUN_SELECTIONS:
         raise ValueError(
             f"--selection {selection_name!r}: expected one of "
@@ -259,7 +311,7 @@ def select(groups: dict, selection_name: str) -> dict:
         settings = dict(sorted(settings.items(), key=tie_order))
         choice = selection.sweep_selection(run_selection, settings, group[-1])
         if choice is not None:
-            chosen[group] = choice["test_acc"]
+            chosen[group] = choice
     return chosen
 
 
@@ -344,13 +396,16 @@ def dataset_order(name: str):
 
 def method_order(name: str):
     """Sort key of the rows: ``ROW_ORDER``'s; a MixStyle row not listed there follows its
-    method; other names (DomainBed's) come last, alphabetically."""
+    method; other names (DomainBed's) come last, alphabetically; a "+ SWAD" row comes
+    right after its method's row."""
+    swad = name.endswith(SWAD)
+    name = name[: -len(SWAD)] if swad else name
     base = name[: -len(MIXSTYLE)] if name.endswith(MIXSTYLE) else name
     if name in ROW_ORDER:
-        return (ROW_ORDER.index(name), 0, name)
+        return (ROW_ORDER.index(name), 0, name, swad)
     if base in ROW_ORDER:
-        return (ROW_ORDER.index(base), 1, name)
-    return (len(ROW_ORDER), 0, name)
+        return (ROW_ORDER.index(base), 1, name, swad)
+    return (len(ROW_ORDER), 0, name, swad)
 
 
 def format_cell(cell: Cell | None, latex: bool, pm: str = PLUS_MINUS[0]) -> str:
@@ -616,15 +671,17 @@ def check_options(selection_name: str, pm: str) -> None:
         )
 
 
-def build_report(
-    input_dir: str,
-    selection_name: str = "training_domain",
-    latex: bool = False,
-    pm: str = PLUS_MINUS[0],
-) -> str:
-    """The whole report (tables and notes) as one string; ``pm``: "±", or "+/-" as
-    DomainBed prints (LaTeX always uses $\\pm$)."""
-    check_options(selection_name, pm)
+# A sweep as read by load_sweep.
+Loaded = collections.namedtuple(
+    "Loaded", "runs finished incomplete not_started swad groups where"
+)
+
+
+def load_sweep(input_dir: str):
+    """Every run under ``input_dir`` (``runs``), the ``finished`` ones, the paths of the
+    ``incomplete`` ones, the jobs ``not_started``, the runs of the SWAD records
+    (:func:`swad_runs`), and the ``groups`` of the finished runs and the SWAD records
+    with ``where`` each run is (:func:`group_runs`)."""
     runs, not_started = load_runs(input_dir)
     finished = [r for r in runs if r.done]
     incomplete = sorted(r.path for r in runs if not r.done)
@@ -633,17 +690,35 @@ def build_report(
             f"--input_dir {input_dir}: no finished run (no 'done' file); "
             f"incomplete: {', '.join(incomplete)}."
         )
-    groups = group_runs(finished)
-    chosen = select(groups, selection_name)
+    where, swad = {}, swad_runs(finished, input_dir)
+    groups = group_runs(finished + swad, where)
+    return Loaded(runs, finished, incomplete, not_started, swad, groups, where)
+
+
+def build_report(
+    input_dir: str,
+    selection_name: str = "training_domain",
+    latex: bool = False,
+    pm: str = PLUS_MINUS[0],
+    winners: bool = False,
+) -> str:
+    """The whole report (tables and notes) as one string; ``pm``: "±", or "+/-" as
+    DomainBed prints (LaTeX always uses $\\pm$); ``winners``: after the tables, which
+    setting won each cell (:func:`winners_table`)."""
+    check_options(selection_name, pm)
+    loaded = load_sweep(input_dir)
+    finished, groups = loaded.finished, loaded.groups
+    choices = select_settings(groups, selection_name)
+    chosen = {group: choice["test_acc"] for group, choice in choices.items()}
     ood, in_domain = Sweep(chosen, groups, "domainbed"), Sweep(chosen, groups, "in_domain")
     name = selection.SELECTION_NAMES[selection_name]
     missing = missing_pair_runs(groups) if selection_name == "leave_one_out" else {}
     # Under leave-one-domain-out, a table or a dataset without any entry is a missing-
     # runs message, not a table of dashes.
     has_entry = {d for (d, *_) in ood.acc} if missing else set(ood.datasets)
+    labels = env_labels(finished, input_dir)
     out = []
     if ood.datasets:
-        labels = env_labels(finished, input_dir)
         out.append(table_1(ood, name, latex, pm) if has_entry else no_entry_text("Table 1", latex))
         for d in ood.datasets:
             table = dataset_table(ood, d, labels.get(d), name, latex, pm)
@@ -652,7 +727,14 @@ def build_report(
         out.append(table_2(in_domain, ood, name, latex, pm))
     if ood.datasets:
         out.append(table_3(ood, name, latex, pm) if has_entry else no_entry_text("Table 3", latex))
-    notes = report_notes(name, pm, finished, (ood, in_domain), incomplete, not_started)
+    for split, sweep in (("domainbed", ood), ("in_domain", in_domain)) if winners else ():
+        out += [
+            winners_table(loaded, choices, split, d, labels.get(d), name, latex)
+            for d in sweep.datasets
+            if any(g[:2] == (split, d) for g in choices)
+        ]
+    left_out = (loaded.incomplete, loaded.not_started)
+    notes = report_notes(name, pm, finished, (ood, in_domain), *left_out)
     if missing:
         command = pair_runs_command(finished, missing, input_dir)
         notes.append(missing_pairs_note(missing, ood, command))
@@ -663,7 +745,177 @@ def build_report(
     return "\n\n".join(out) + "\n"
 
 
-def main(argv=None) -> int:
+# --- Which setting won ---------------------------------------------------------
+
+
+def setting_hparams(runs: dict) -> dict:
+    """The hyperparameters of a setting (``{test_envs: records}``): what
+    ``rundir.hyperparameters`` keeps of our config, or the ``hparams`` of DomainBed's
+    records."""
+    first = next(iter(runs.values()))[0]
+    if is_domainbed(first):
+        return dict(first.get("hparams", {}))
+    return rundir.hyperparameters(first["config"])
+
+
+def varying_keys(hparams: list[dict]) -> list[str]:
+    """The keys, sorted, whose value is not the same in every dict of ``hparams`` (a key
+    that some dict lacks varies)."""
+    keys = sorted(set().union(*hparams)) if hparams else []
+
+    def value(h, k):
+        return json.dumps(h[k], sort_keys=True, default=str) if k in h else None
+
+    return [k for k in keys if len({value(h, k) for h in hparams}) > 1]
+
+
+def winner_text(settings: dict, key: str) -> str:
+    """The hyperparameters of setting ``key`` that vary between the ``settings`` of its
+    cell, ``"dropout=0.1, lr=3e-05"``."""
+    if len(settings) == 1:
+        return "(the only setting)"
+    hparams = {k: setting_hparams(runs) for k, runs in settings.items()}
+    varying = varying_keys(list(hparams.values()))
+    if not varying:
+        return "(no hyperparameter differs)"
+    return ", ".join(f"{k}={hparams[key].get(k, '(unset)')}" for k in varying)
+
+
+def winners_table(loaded, choices: dict, split: str, dataset: str, env_names, name, latex) -> str:
+    """Which setting each (method, test environment, trial seed) cell of ``dataset`` took:
+    its validation and test accuracy (%), the hyperparameters that vary within the cell
+    (:func:`winner_text`) and the folder of its single-test-environment run."""
+    cells = sorted(
+        (g for g in choices if g[:2] == (split, dataset)),
+        key=lambda g: (method_order(g[2]), g[4], g[3]),
+    )
+    rows = []
+    for group in cells:
+        _, _, method, seed, t = group
+        choice = choices[group]
+        text = [
+            env_label(dataset, t, env_names),
+            str(seed),
+            f"{100 * choice['val_acc']:.1f}",
+            f"{100 * choice['test_acc']:.1f}",
+            winner_text(loaded.groups[group], choice["setting"]),
+            loaded.where[group, choice["setting"], (t,)],
+        ]
+        rows.append([method, *(latex_escape(x) if latex else x for x in text)])
+    header = ["Algorithm", "Test env", "Trial seed", "Validation", "Test"]
+    header += ["Hyperparameters that vary", "Folder"]
+    if split == "in_domain":
+        title = f"{dataset} in-domain (Table 2): the chosen setting of each cell"
+    else:
+        title = f"{dataset}: the chosen setting of each cell, model selection: {name}"
+    return render_table(title, header, rows, latex)
+
+
+# --- Ranked settings (DomainBed's list_top_hparams) ----------------------------
+
+TOP_HPARAMS_SELECTIONS = ("training_domain", "leave_one_out", "oracle_last")  # DomainBed's
+
+
+def top_hparams(input_dir: str, dataset: str, algorithm: str, test_env: int) -> str:
+    """Every setting of ``dataset``, ``algorithm`` and test environment ``test_env``
+    ranked as DomainBed's ``list_top_hparams`` ranks them: the number of records, then
+    for each selection of :data:`TOP_HPARAMS_SELECTIONS` and each trial seed, the
+    settings by validation accuracy, best first (ties as :func:`tie_order`), each with
+    its validation and test accuracy, its hyperparameters sorted by key ("*" marks
+    those that differ between the settings of the trial seed) and its runs' folders.
+    Only finished out-of-domain runs are ranked. ``algorithm`` is a row label
+    ("SAGM + CORAL", "SAGM + SWAD", "ERM (DomainBed)"), or a recorded
+    ``args.algorithm`` ("sagm", DomainBed's "ERM"), which ranks each row of its runs."""
+    loaded = load_sweep(input_dir)
+    rows = rows_of(loaded.groups, dataset, algorithm, test_env)
+    names = env_labels(loaded.finished, input_dir).get(dataset)
+    lines = [
+        f"Total records: {sum(len(r.records) for r in loaded.runs)}",
+        f"Runs: {len(loaded.finished)} finished, {len(loaded.incomplete)} incomplete (not "
+        "ranked)" + (f"; {len(loaded.swad)} of them with a SWAD record" if loaded.swad else ""),
+        f"Dataset {dataset}, test environment {env_label(dataset, test_env, names)}, "
+        f"rows: {', '.join(rows)}",
+        "hparams marked * differ between the settings of their trial seed.",
+    ]
+    for row in rows:
+        lines += row_ranking(loaded, dataset, row, test_env)
+    return "\n".join(lines) + "\n"
+
+
+def rows_of(groups: dict, dataset: str, algorithm: str, test_env: int) -> list[str]:
+    """The rows that ``--algorithm`` names on ``dataset`` (:func:`top_hparams`), checked
+    to have single runs holding out ``test_env``."""
+    ood = {g: s for g, s in groups.items() if g[0] == "domainbed" and g[1] == dataset}
+    if not ood:
+        datasets = sorted({g[1] for g in groups if g[0] == "domainbed"}, key=dataset_order)
+        raise ValueError(
+            f"--dataset {dataset}: no finished out-of-domain runs; datasets: "
+            f"{', '.join(datasets)}."
+        )
+    labels = sorted({g[2] for g in ood}, key=method_order)
+    recorded = collections.defaultdict(set)  # row -> its runs' args.algorithm
+    for (_, _, row, _, _), settings in ood.items():
+        recorded[row] |= {next(iter(r.values()))[0]["args"]["algorithm"] for r in settings.values()}
+    rows = [algorithm] if algorithm in labels else [r for r in labels if algorithm in recorded[r]]
+    if not rows:
+        names = sorted(set().union(*recorded.values()))
+        raise ValueError(
+            f"--algorithm {algorithm!r}: no finished runs on {dataset}; rows: "
+            f"{', '.join(labels)}; recorded algorithms: {', '.join(names)}."
+        )
+    envs = {g[4] for g, s in ood.items() if g[2] in rows and any((g[4],) in r for r in s.values())}
+    if test_env not in envs:
+        raise ValueError(
+            f"--test_env {test_env}: no run of {', '.join(rows)} on {dataset} holds it out; "
+            f"test environments: {', '.join(map(str, sorted(envs)))}."
+        )
+    return rows
+
+
+def row_ranking(loaded, dataset: str, row: str, test_env: int) -> list[str]:
+    """:func:`top_hparams`'s lines for one row."""
+    lines = ["", f"=== {row} ==="]
+    seeds = sorted(g[3] for g in loaded.groups if g[:3] == ("domainbed", dataset, row))
+    seeds = [s for s in seeds if ("domainbed", dataset, row, s, test_env) in loaded.groups]
+    for selection_name in TOP_HPARAMS_SELECTIONS:
+        lines += ["", f"Model selection: {selection.SELECTION_NAMES[selection_name]}"]
+        for seed in sorted(set(seeds)):
+            group = ("domainbed", dataset, row, seed, test_env)
+            settings = dict(sorted(loaded.groups[group].items(), key=tie_order))
+            run_selection = selection.RUN_SELECTIONS[selection_name]
+            ranked = selection.rank_settings(run_selection, settings, test_env)
+            hparams = {key: setting_hparams(runs) for key, runs in settings.items()}
+            varying = set(varying_keys(list(hparams.values())))
+            lines.append(f"  trial_seed: {seed}")
+            if not ranked:
+                lines.append("    (no setting has the runs this selection needs)")
+            for rank, choice in enumerate(ranked, 1):
+                key = choice["setting"]
+                paths = {envs: loaded.where[group, key, envs] for envs in settings[key]}
+                lines += setting_lines(rank, choice, settings[key], hparams[key], varying, paths)
+    return lines
+
+
+def setting_lines(rank, choice, runs, hparams, varying, paths) -> list[str]:
+    """One ranked setting: its accuracies (and ``args.hparams_seed``), hyperparameters
+    (``*`` where they vary) and the folders of its runs (``paths``: ``{test_envs: path}``),
+    the single run first."""
+    seed = next(iter(runs.values()))[0]["args"].get("hparams_seed")
+    head = f"    {rank}. val_acc {choice['val_acc']:.4f}, test_acc {choice['test_acc']:.4f}"
+    lines = [head + (f" (hparams_seed {seed})" if seed is not None else ""), "        hparams:"]
+    lines += [
+        f"        {'*' if k in varying else ' '} {k}: {v}"
+        for k, v in sorted(hparams.items())
+    ]
+    lines.append("        output_dirs:")
+    lines += [
+        f"          {path} (test envs {', '.join(map(str, envs))})"
+        for envs, path in sorted(paths.items(), key=lambda item: (len(item[0]), item[0]))
+    ]
+    return lines
+
+
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m sagm_jax.collect_results", description=__doc__.split("\n\n")[0]
     )
@@ -680,10 +932,44 @@ def main(argv=None) -> int:
         default=PLUS_MINUS[0],
         help="The sign between mean and standard error; '+/-' is DomainBed's style.",
     )
+    parser.add_argument(
+        "--winners",
+        action="store_true",
+        help="After the tables, per dataset, the setting that each cell chose: its "
+        "hyperparameters that vary within the cell and its folder.",
+    )
+    top = parser.add_argument_group("--top_hparams (instead of the tables)")
+    top.add_argument(
+        "--top_hparams",
+        action="store_true",
+        help="Rank every setting of --dataset, --algorithm and --test_env under each "
+        "selection and trial seed, as DomainBed's list_top_hparams does.",
+    )
+    top.add_argument("--dataset", help="A dataset of the sweep (PACS).")
+    top.add_argument(
+        "--algorithm",
+        help='A row label of the tables ("SAGM + CORAL", "SAGM + SWAD", "ERM (DomainBed)"), '
+        'or a recorded algorithm name (config.algorithm "sagm", DomainBed\'s "ERM"): a '
+        "name ranks each row of its runs separately.",
+    )
+    top.add_argument("--test_env", type=int, help="The held-out environment's index.")
     parser.add_argument("--output", help="Write the report to this file (default: stdout).")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = make_parser()
     args = parser.parse_args(argv)
+    top_args = (args.dataset, args.algorithm, args.test_env)
+    if args.top_hparams and None in top_args:
+        parser.error("--top_hparams needs --dataset, --algorithm and --test_env.")
+    if not args.top_hparams and top_args != (None, None, None):
+        parser.error("--dataset, --algorithm and --test_env go with --top_hparams.")
     try:
-        report = build_report(args.input_dir, args.selection, args.latex, args.pm)
+        if args.top_hparams:
+            report = top_hparams(args.input_dir, *top_args)
+        else:
+            report = build_report(args.input_dir, args.selection, args.latex, args.pm, args.winners)
     except (FileNotFoundError, ValueError) as error:
         print(f"collect_results: {error}", file=sys.stderr)
         return 2

@@ -221,6 +221,14 @@ def _image_size(value, config, device_count):
         )
 
 
+def _swad_tolerance(value, config, device_count):
+    converge = config.get("swad_n_converge")
+    if not _is_int(value) or value < 1:
+        return "a positive integer"
+    if _is_int(converge) and value < converge:
+        return f"an integer >= config.swad_n_converge={converge} (SWAD's window holds it)"
+
+
 def _num_devices(value, config, device_count):
     if not _is_int(value) or value < 0:
         return "an integer >= 0 (0 = every device)"
@@ -260,6 +268,13 @@ FIELDS: dict[str, tuple[Field, ...]] = {
         ),
         Field("trial_seed", 0, "picks the split (DomainBed's trial_seed)", _integer(0)),
         Field("seed", 0, "picks initialization, batches, dropout, augmentation", _integer(0)),
+        Field(
+            "hparams_seed",
+            -1,
+            "DomainBed's hparams_seed: the index of a --hparams random setting "
+            "(-1 = a hash of the hyperparameters)",
+            _integer(-1),
+        ),
         Field(
             "holdout_fraction",
             0.2,
@@ -449,6 +464,45 @@ FIELDS: dict[str, tuple[Field, ...]] = {
             _num_devices,
         ),
     ),
+    "swad": (
+        Field(
+            "swad",
+            False,
+            "SWAD: average the weights densely over the validation loss's valley",
+            _BOOL,
+        ),
+        Field(
+            "swad_eval_every",
+            100,
+            "with swad=True, the evaluation interval (SWAD's per-dataset frequency)",
+            _integer(1),
+        ),
+        Field("swad_n_converge", 3, "evaluations the loss must stop falling for", _integer(1)),
+        Field(
+            "swad_n_tolerance",
+            6,
+            "evaluations above the tolerance that end the valley",
+            _swad_tolerance,
+        ),
+        Field(
+            "swad_tolerance_ratio",
+            0.3,
+            "the valley's tolerance: (1 + ratio) x the converged loss",
+            _number(">= 0"),
+        ),
+        Field(
+            "swad_fix_quirks",
+            False,
+            "fix the reference's segment quirks (skipped, repeated, pre-convergence segments)",
+            _BOOL,
+        ),
+        Field(
+            "swad_stop_at_valley_end",
+            True,
+            "stop training when the valley ends, as the reference does",
+            _BOOL,
+        ),
+    ),
     "schedule": (
         Field(
             "steps",
@@ -474,6 +528,7 @@ SECTION_TITLES = {
     "method": "objective and method hyperparameters (see sagm_jax.methods, sagm_jax.objectives)",
     "optimizer": "optimizer (see sagm_jax.optimizers; built by sagm_jax.train)",
     "step": "train step and devices (see sagm_jax.train_step)",
+    "swad": "SWAD weight averaging (see sagm_jax.swad, sagm_jax.averaging)",
     "schedule": "schedule",
 }
 

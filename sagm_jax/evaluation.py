@@ -1,7 +1,9 @@
-"""Evaluation: the accuracy of a train state on every split part of every environment.
+"""Evaluation: the accuracy and loss of a train state on every split part of every environment.
 
-``Evaluator(state) -> {'env{i}_{part}_acc': accuracy}`` over EVERY example of each part
-(padding of the last batch is masked out), in eval mode. With
+``Evaluator(state) -> {'env{i}_{part}_acc': accuracy, 'env{i}_{part}_loss': loss}`` over
+EVERY example of each part (padding of the last batch is masked out), in eval mode; the
+loss is the mean cross-entropy per example (SWAD's evaluator's: the sum over batches of
+the batch mean times its size, over the part's size), which SWAD's loss valley reads. With
 ``config.augment_validation`` the 'out' parts of the training environments are
 augmented as in training (DomainBed's old default).
 
@@ -18,11 +20,12 @@ import jax.numpy as jnp
 
 from sagm_jax.data import device_augment
 from sagm_jax.data.pipeline import prefetch_to_mesh
+from sagm_jax.objectives import per_example_cross_entropy
 from sagm_jax.train_step import apply_model
 
 
 def make_eval_step(model, compute_dtype, seed: int = 0, image_size: int = 224):
-    """Jitted ``eval_step(params, batch_stats, batch) -> (correct, counted)``."""
+    """Jitted ``eval_step(params, batch_stats, batch) -> (correct, counted, loss_sum)``."""
 
     def eval_step(params, batch_stats, batch):
         batch = device_augment.model_inputs(
@@ -30,7 +33,8 @@ def make_eval_step(model, compute_dtype, seed: int = 0, image_size: int = 224):
         )
         logits = apply_model(model, params, batch_stats, batch["image"], compute_dtype)
         correct = (jnp.argmax(logits, -1) == batch["label"]) & batch["mask"]
-        return jnp.sum(correct), jnp.sum(batch["mask"])
+        losses = per_example_cross_entropy(logits, batch["label"])
+        return jnp.sum(correct), jnp.sum(batch["mask"]), jnp.sum(jnp.where(batch["mask"], losses, 0))
 
     return jax.jit(eval_step)
 
@@ -69,13 +73,14 @@ class Evaluator:
         )
 
     def __call__(self, state) -> dict:
-        accuracies = {}
+        results = {}
         for env in range(len(self.dataset.env_names)):
             for part in self.dataset.splits[env]:
-                counts = [
+                sums = [
                     self.step(state.params, state.batch_stats, batch)
                     for batch in prefetch_to_mesh(self._batches(env, part), self.mesh)
                 ]
-                correct = sum(int(c) for c, _ in counts)
-                accuracies[f"env{env}_{part}_acc"] = correct / sum(int(n) for _, n in counts)
-        return accuracies
+                correct, counted, loss = (sum(float(s[i]) for s in sums) for i in range(3))
+                results[f"env{env}_{part}_acc"] = correct / counted
+                results[f"env{env}_{part}_loss"] = loss / counted
+        return results

@@ -48,9 +48,11 @@ RESULTS = "results.jsonl"
 CHECKPOINTS = "checkpoints"
 RUN_LOCK = "run.lock"
 DONE = "done"
+SWAD_RESULTS = "swad.jsonl"  # the SWAD model's one record (a SWAD run)
+SWAD_MODEL = "swad_model"  # the SWAD model's variables
 
 # Config keys that differ between the runs of one hyperparameter setting.
-NOT_HPARAMS = ("test_envs", "all_test_envs", "trial_seed", "seed")
+NOT_HPARAMS = ("test_envs", "all_test_envs", "trial_seed", "seed", "hparams_seed")
 
 # The config fields (sagm_jax.config.FIELDS) that do not change what a run computes, so
 # are not hyperparameters: where the data lives (the dataset's fingerprint says whether
@@ -148,6 +150,27 @@ def evaluation_steps(steps: int, eval_every: int) -> list[int]:
     return sorted(set(range(0, steps, eval_every)) | ({steps - 1} if steps > 0 else set()))
 
 
+def read_swad_record(workdir: str) -> dict | None:
+    """The SWAD model's record of a finished SWAD run (swad.jsonl), or None."""
+    path = os.path.join(workdir, SWAD_RESULTS)
+    if not os.path.exists(path):
+        return None
+    records, _ = _read_records(path)
+    return records[0] if records else None
+
+
+def evaluation_interval(config) -> int:
+    """The steps between evaluations of a run with ``config`` (a dict or ConfigDict):
+    ``swad_eval_every`` with SWAD (its per-dataset frequency), else ``eval_every``."""
+    return int(config["swad_eval_every"] if config.get("swad") else config["eval_every"])
+
+
+def stops_early(config) -> bool:
+    """Whether a finished run may end before ``steps``: SWAD stops when its loss valley
+    ends (``swad_stop_at_valley_end``); its records are then a prefix of the steps."""
+    return bool(config.get("swad") and config.get("swad_stop_at_valley_end", True))
+
+
 def is_evaluation_step(t: int, steps: int, eval_every: int) -> bool:
     """Whether the run evaluates after step ``t`` (:func:`evaluation_steps`)."""
     return t % eval_every == 0 or t == steps - 1
@@ -157,15 +180,16 @@ def check_steps(path: str, records: list[dict], finished: bool, before: int | No
     """Raises :class:`RecordsError` naming ``path`` and the steps unless ``records``
     hold, in order and once each, the evaluations their ``config`` makes: all of them
     when ``finished``, those before step ``before`` (a run resumed there), else a prefix.
-    Records without a ``config`` (DomainBed's) or whose config lacks ``steps`` or
-    ``eval_every`` are not checked."""
+    A finished SWAD run that stopped at the end of its loss valley (:func:`stops_early`)
+    holds a prefix. Records without a ``config`` (DomainBed's) or whose config lacks
+    ``steps`` or ``eval_every`` are not checked."""
     config = records[0].get("config") if records else None
     if not isinstance(config, dict) or not {"steps", "eval_every"} <= set(config):
         return
-    expected = evaluation_steps(int(config["steps"]), int(config["eval_every"]))
+    expected = evaluation_steps(int(config["steps"]), evaluation_interval(config))
     steps = [r["step"] for r in records]
     counts = collections.Counter(steps)
-    if finished:
+    if finished and not stops_early(config):
         wanted = expected
     elif before is not None:
         wanted = [t for t in expected if t < before]
@@ -186,7 +210,7 @@ def check_steps(path: str, records: list[dict], finished: bool, before: int | No
         state = "finished" if finished else "unfinished"
         raise RecordsError(
             f"{path}: {'; '.join(problems)}. The {state} run's config (steps="
-            f"{config['steps']}, eval_every={config['eval_every']}) evaluates after steps "
+            f"{config['steps']}, evaluation every {evaluation_interval(config)}) evaluates after steps "
             f"{_steps_text(expected)}, each recorded once, in order. A record was lost or "
             "duplicated: restore the file, or rerun in a new --workdir."
         )
@@ -203,6 +227,8 @@ def hparams_seed(config_dict: dict) -> int:
     seeds and the settings that do not change the result (DomainBed's collector groups a
     sweep's runs by it, and matches leave-one-domain-out pairs through it); any other
     config difference gives another."""
+    if config_dict.get("hparams_seed", -1) >= 0:  # a --hparams random setting's index
+        return int(config_dict["hparams_seed"])
     text = json.dumps(hyperparameters(config_dict), sort_keys=True, default=str)
     return int(hashlib.md5(text.encode("utf-8")).hexdigest(), 16) % 2**31
 
@@ -355,6 +381,14 @@ class RunDir:
             f.write(json.dumps(record, sort_keys=True) + "\n")
             f.flush()
             os.fsync(f.fileno())
+
+    def write_swad_record(self, record: dict) -> None:
+        """Writes the SWAD model's record to swad.jsonl (one line, atomically)."""
+        if self.is_main:
+            tmp = os.path.join(self.workdir, SWAD_RESULTS + ".tmp")
+            with open(tmp, "w") as f:
+                f.write(json.dumps(record, sort_keys=True) + "\n")
+            os.replace(tmp, os.path.join(self.workdir, SWAD_RESULTS))
 
     def mark_done(self) -> None:
         if self.is_main:

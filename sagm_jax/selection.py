@@ -5,7 +5,8 @@ A record is one line of results.jsonl: ``step`` and ``env{i}_{part}_acc``.
 training loop ranks checkpoints by it); :func:`training_domain_validation` picks the
 checkpoint of one run by it; the ``*_run`` functions and :func:`sweep_selection`
 implement DomainBed's selection methods across a sweep (training-domain validation,
-leave-one-domain-out, and the two oracles, each named by what it does).
+leave-one-domain-out, and the two oracles, each named by what it does);
+:func:`rank_settings` ranks a sweep's settings as DomainBed's ``list_top_hparams`` does.
 """
 
 from __future__ import annotations
@@ -183,16 +184,27 @@ SELECTION_NAMES = {
 }
 
 
-def sweep_selection(run_selection, settings: dict, test_env: int) -> dict | None:
-    """The setting whose chosen checkpoint has the highest ``val_acc``.
+def rank_settings(run_selection, settings: dict, test_env: int) -> list[dict]:
+    """Every setting that ``run_selection`` can score, best first: DomainBed's
+    ``SelectionMethod.hparams_accs``, which ``list_top_hparams`` prints.
 
     ``settings`` maps a setting key to its runs (``{test_envs tuple: records}``);
-    ``run_selection`` is one of the ``*_run`` functions. Returns the chosen
-    ``{"step", "val_acc", "test_acc", "setting"}``, or None if no setting qualifies.
+    ``run_selection`` is one of the ``*_run`` functions. Returns
+    ``[{"step", "val_acc", "test_acc", "setting"}, ...]`` sorted by ``val_acc``
+    descending; settings that lack the runs the rule needs are left out. The sort is
+    stable: of equal ``val_acc``, the first in the caller's order comes first.
     """
-    best = None
+    scored = []
     for key, runs in settings.items():
         choice = run_selection(runs, test_env)
-        if choice is not None and (best is None or choice["val_acc"] > best["val_acc"]):
-            best = {**choice, "setting": key}
-    return best
+        if choice is not None:
+            scored.append({**choice, "setting": key})
+    return sorted(scored, key=lambda choice: -choice["val_acc"])
+
+
+def sweep_selection(run_selection, settings: dict, test_env: int) -> dict | None:
+    """The setting whose chosen checkpoint has the highest ``val_acc``: the first of
+    :func:`rank_settings` (``{"step", "val_acc", "test_acc", "setting"}``), or None if
+    no setting qualifies."""
+    ranked = rank_settings(run_selection, settings, test_env)
+    return ranked[0] if ranked else None

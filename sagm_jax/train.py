@@ -41,8 +41,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 from sagm_jax import data as data_lib
-from sagm_jax import formatting, models, objectives
-from sagm_jax.checkpoints import Checkpoints, restore_variables, saved_steps
+from sagm_jax import averaging, formatting, models, objectives, swad
+from sagm_jax.checkpoints import (
+    Checkpoints,
+    restore_swad_variables,
+    restore_variables,
+    saved_steps,
+)
 from sagm_jax.config import section, validate
 from sagm_jax.data import device_augment, registry
 from sagm_jax.data.pipeline import prefetch_to_mesh
@@ -56,13 +61,16 @@ from sagm_jax.rundir import (
     DONE,
     RESULTS,
     RunDir,
+    evaluation_interval,
     is_evaluation_step,
     make_record,
     read_config,
     read_records,
     read_run_info,
+    read_swad_record,
 )
 from sagm_jax.selection import training_domain_validation, validation_accuracy
+from sagm_jax.swad_run import SwadRun
 from sagm_jax.train_step import create_train_state, data_parallel_train_step
 
 __all__ = [
@@ -164,8 +172,12 @@ def setup(config: ml_collections.ConfigDict) -> Program:
         config, dataset.num_classes, dataset.input_shape, init_key
     )
     optimizer = optimizer_from_config(config, axis_name="batch", num_domains=len(train_envs))
+    averages = None
+    if config.swad:
+        window = swad.segment_window(config.swad_n_tolerance, config.swad_n_converge)
+        averages = averaging.init_averages(variables["params"], window)
     initial = create_train_state(
-        variables, optimizer, objectives.init_state(config.objective, len(train_envs))
+        variables, optimizer, objectives.init_state(config.objective, len(train_envs)), averages
     )
     state = jax.device_put(initial, NamedSharding(mesh, P()))
     run_info = {
@@ -218,10 +230,15 @@ def train_one_run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]
     else:
         print(f"{workdir}: resumed at step {int(state.step)}.")
     records = rundir.records_before(int(state.step))
-    records += _training_loop(config, program, rundir, checkpoints, state)
+    swad_run = SwadRun(config, program.train_envs, records) if config.swad else None
+    new_records, state = _training_loop(config, program, rundir, checkpoints, state, swad_run)
+    records += new_records
+    swad_record = None
+    if swad_run is not None:
+        swad_record = swad_run.finish(state, program, rundir, records[-1])
     rundir.mark_done()
     if rundir.is_main:
-        print_summary(records, program.test_envs, program.dataset.env_names)
+        print_summary(records, program.test_envs, program.dataset.env_names, swad_record)
     return records
 
 
@@ -233,12 +250,16 @@ def _finished(rundir: RunDir, config) -> list[dict]:
     if rundir.is_main:
         env_names = read_run_info(rundir.workdir)["env_names"]
         print(f"{rundir.workdir}: already done; not training again.")
-        print_summary(records, list(config.test_envs), env_names)
+        swad_record = read_swad_record(rundir.workdir)
+        print_summary(records, list(config.test_envs), env_names, swad_record)
     return records
 
 
-def _training_loop(config, program: Program, rundir: RunDir, checkpoints: Checkpoints, state):
-    """Steps from ``state.step`` to ``config.steps``; returns the new records."""
+def _training_loop(
+    config, program: Program, rundir: RunDir, checkpoints: Checkpoints, state, swad_run
+):
+    """Steps from ``state.step`` to ``config.steps`` (or to the end of SWAD's loss valley);
+    returns the new records and the last state."""
     start, records = int(state.step), []
     step_key = jax.random.split(jax.random.key(config.seed))[1]
     writer = _metric_writer(rundir.workdir, rundir.is_main)
@@ -251,7 +272,7 @@ def _training_loop(config, program: Program, rundir: RunDir, checkpoints: Checkp
         ),
         program.mesh,
     )
-    smallest_env = min(len(program.dataset.splits[e]["in"]) for e in program.train_envs)
+    interval = evaluation_interval(config)
     sums, count = None, 0  # of the step's metrics since the last record, on the device
     progress = tqdm(
         total=config.steps,
@@ -262,6 +283,8 @@ def _training_loop(config, program: Program, rundir: RunDir, checkpoints: Checkp
     )
     try:
         for t in range(start, config.steps):
+            if swad_run is not None and swad_run.stopped:
+                break
             state, metrics = program.train_step(state, next(batches), step_key)
             sums = metrics if sums is None else jax.tree.map(jnp.add, sums, metrics)
             count += 1
@@ -270,25 +293,13 @@ def _training_loop(config, program: Program, rundir: RunDir, checkpoints: Checkp
                 loss = _finite_loss(float(metrics["loss"]), t, checkpoints, rundir)
                 progress.set_postfix(loss=f"{loss:.4f}")
                 writer.write_scalars(t, {"train/loss": loss})
-            if is_evaluation_step(t, config.steps, config.eval_every):
+            if is_evaluation_step(t, config.steps, interval):
                 means = {k: float(v) / count for k, v in sums.items()}
-                mean_loss = _finite_loss(means.pop("loss"), t, checkpoints, rundir)
-                if not _all_finite(state.params):
-                    _stop_non_finite(rundir.workdir, t, mean_loss, checkpoints)
-                accuracies = program.evaluator(state)
-                record = make_record(
-                    config.to_dict(),
-                    rundir.workdir,
-                    step=t,
-                    loss=mean_loss,
-                    metrics=means,
-                    accuracies=accuracies,
-                    test_envs=program.test_envs,
-                    smallest_env=smallest_env,
-                )
-                rundir.append(record)  # before the checkpoint: see the module docstring
+                record = _evaluate(config, program, rundir, checkpoints, state, t, means)
                 records.append(record)
                 writer.write_scalars(t, {k: v for k, v in record.items() if k.endswith("_acc")})
+                if swad_run is not None:
+                    state = swad_run.after_evaluation(state, record)
                 checkpoints.save(t, state, validation_accuracy(record, program.train_envs))
                 sums, count = None, 0
     finally:  # the prefetch thread and the progress bar end even when the loop fails
@@ -296,7 +307,27 @@ def _training_loop(config, program: Program, rundir: RunDir, checkpoints: Checkp
         progress.close()
         checkpoints.wait()
     writer.flush()
-    return records
+    return records, state
+
+
+def _evaluate(config, program: Program, rundir: RunDir, checkpoints, state, t, means) -> dict:
+    """Evaluates ``state`` after step ``t`` and appends its record (before the
+    checkpoint: see the module docstring); ``means`` are the step metrics' means."""
+    mean_loss = _finite_loss(means.pop("loss"), t, checkpoints, rundir)
+    if not _all_finite(state.params):
+        _stop_non_finite(rundir.workdir, t, mean_loss, checkpoints)
+    record = make_record(
+        config.to_dict(),
+        rundir.workdir,
+        step=t,
+        loss=mean_loss,
+        metrics=means,
+        accuracies=program.evaluator(state),
+        test_envs=program.test_envs,
+        smallest_env=min(len(program.dataset.splits[e]["in"]) for e in program.train_envs),
+    )
+    rundir.append(record)
+    return record
 
 
 def _all_finite(tree) -> bool:
@@ -328,7 +359,8 @@ def load_run(workdir: str, which: str | int = "best"):
     """A trained run, for inference or analysis: ``(model, variables, record)``.
 
     ``which``: ``"best"`` (the step training-domain validation selects, as the summary
-    and the tables do), ``"latest"``, or a step number of a kept checkpoint. ``model``
+    and the tables do), ``"latest"``, a step number of a kept checkpoint, or ``"swad"``
+    (a SWAD run's averaged model, with its swad.jsonl record). ``model``
     is the Flax module, ``variables`` its ``{'params', 'batch_stats'}``; apply it as
     ``model.apply(variables, images_nhwc, train=False)`` to images prepared as the run's
     evaluation prepares them. ``record`` is the results.jsonl record of that step.
@@ -338,6 +370,11 @@ def load_run(workdir: str, which: str | int = "best"):
     config = ml_collections.ConfigDict(read_config(workdir))
     info = read_run_info(workdir)
     records = read_records(workdir)
+    if which == "swad":
+        model = models.from_config(
+            config, info["num_classes"], info["input_shape"], jax.random.key(0), pretrained=False
+        )[0]
+        return model, restore_swad_variables(workdir), read_swad_record(workdir)
     if which == "best":
         step = training_domain_validation(records, config.test_envs)["step"]
     elif which == "latest":
@@ -415,9 +452,10 @@ def _metric_writer(workdir: str, is_main: bool):
     return metric_writers.create_default_writer(workdir, just_logging=not is_main)
 
 
-def print_summary(records: list[dict], test_envs, env_names=None) -> None:
+def print_summary(records: list[dict], test_envs, env_names=None, swad_record=None) -> None:
     """The step chosen by training-domain validation and its accuracy (%) per environment
-    and split part, as the result tables show accuracies."""
+    and split part, as the result tables show accuracies; with ``swad_record``, the SWAD
+    model's beside them."""
     if not records:
         print("No evaluation records.")
         return
@@ -433,13 +471,23 @@ def print_summary(records: list[dict], test_envs, env_names=None) -> None:
         f"Selected step {chosen['step']} by training-domain validation (mean 'out' accuracy "
         f"of the training environments {100 * chosen['validation_acc']:.1f}%):"
     )
-    print("  " + "environment".ljust(width) + "".join(f"{p + ' %':>8}" for p in parts))
+    columns = [(chosen, p, f"{p} %") for p in parts]
+    if swad_record is not None:
+        columns += [(swad_record, p, f"SWAD {p} %") for p in parts]
+    print("  " + "environment".ljust(width) + "".join(f"{c[2]:>11}" for c in columns))
     for e in envs:
         label = f"{names[e]} ({'test' if e in test_envs else 'train'})"
-        values = "".join(f"{100 * chosen[f'env{e}_{p}_acc']:>8.1f}" for p in parts)
+        values = "".join(f"{100 * r[f'env{e}_{p}_acc']:>11.1f}" for r, p, _ in columns)
         print("  " + label.ljust(width) + values)
     tests = ", ".join(f"{names[e]} {100 * chosen[f'env{e}_in_acc']:.1f}%" for e in test_envs)
     print(f"Test accuracy ('in' split of the test environment): {tests}")
+    if swad_record is not None:
+        swad = ", ".join(f"{names[e]} {100 * swad_record[f'env{e}_in_acc']:.1f}%" for e in test_envs)
+        info = swad_record["swad"]
+        print(
+            f"SWAD test accuracy: {swad} (the mean of {info['segments']} segments, steps "
+            f"{info['first_step']}-{info['last_step']})"
+        )
 
 
 def _test_accuracy_table(config, env_names, accuracies: dict) -> str:

@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from sagm_jax import objectives
+from sagm_jax import averaging, objectives
 from sagm_jax.objectives import per_example_cross_entropy
 from sagm_jax.config import section
 from sagm_jax.data import device_augment
@@ -69,11 +69,12 @@ class TrainState:
     batch_stats: Any  # {} for models without BatchNorm
     opt_state: Any
     objective_state: Any = None  # GroupDRO's q; {} for objectives without state
+    averages: Any = None  # SWAD's weight averages (sagm_jax.averaging); {} without SWAD
 
 
-def create_train_state(variables, optimizer, objective_state=None) -> TrainState:
+def create_train_state(variables, optimizer, objective_state=None, averages=None) -> TrainState:
     """Step 0: ``variables``, ``optimizer.init`` (an optax transformation or a
-    procedure) and the objective's initial state (``{}`` when it keeps none)."""
+    procedure), the objective's initial state and SWAD's averages (``{}`` for none)."""
     params = variables["params"]
     return TrainState(
         step=jnp.zeros([], jnp.int32),
@@ -81,6 +82,7 @@ def create_train_state(variables, optimizer, objective_state=None) -> TrainState
         batch_stats=variables.get("batch_stats", {}),
         opt_state=optimizer.init(params),
         objective_state={} if objective_state is None else objective_state,
+        averages={} if averages is None else averages,
     )
 
 
@@ -283,7 +285,8 @@ def data_parallel_train_step(config, model: nn.Module, optimizer, mesh, num_doma
     data-parallel mode ``config.perturbation`` on ``mesh`` (see the module docstring),
     with the config's objective, its hyperparameters (the "method" section) and DISAM
     over ``num_domains`` training domains. ``optimizer`` must have been built with
-    ``axis_name='batch'`` for 'per_device'."""
+    ``axis_name='batch'`` for 'per_device'. With ``config.swad`` the step also takes the
+    new weights into SWAD's segment mean (``sagm_jax.averaging``)."""
     per_device = config.perturbation == "per_device"
     step_fn = make_train_step(
         model,
@@ -314,6 +317,9 @@ def data_parallel_train_step(config, model: nn.Module, optimizer, mesh, num_doma
 
     def train_step(state, batch, key):
         batch = device_augment.model_inputs(batch, config.seed, state.step, config.image_size)
-        return step_fn(state, batch, key)
+        state, metrics = step_fn(state, batch, key)
+        if config.swad:  # SWAD's segment mean takes every step's weights
+            state = state.replace(averages=averaging.accumulate(state.averages, state.params))
+        return state, metrics
 
     return jax.jit(train_step, donate_argnums=0)

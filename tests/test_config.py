@@ -363,10 +363,11 @@ def test_section_gives_one_sections_values():
 def test_config_checks_take_their_names_from_the_registries():
     from sagm_jax.data import registry
     from sagm_jax.models import ARCHS, create
-    from sagm_jax.optimizers import ALGORITHMS
+    from sagm_jax.methods import OBJECTIVES, UPDATE_RULES
 
     checks = {field.key: field.check for field in all_fields()}
-    assert checks["algorithm"].names is ALGORITHMS
+    assert checks["algorithm"].names == tuple(UPDATE_RULES)
+    assert checks["objective"].names == tuple(OBJECTIVES)
     assert checks["arch"].names is ARCHS
     assert checks["dataset"].names == tuple(registry.DATASETS)
     for arch in ARCHS:  # every listed architecture is one create() builds

@@ -36,11 +36,15 @@ def digits_config(**overrides):
     return config
 
 
-def numpy_accuracy(params, images, labels) -> float:
-    """argmax == label over every example, the logits computed in float64 by NumPy."""
+def numpy_accuracy_and_loss(params, images, labels) -> tuple[float, float]:
+    """argmax == label over every example, and the mean cross-entropy per example, the
+    logits computed in float64 by NumPy."""
     kernel, bias = (np.asarray(params["Dense_0"][k], np.float64) for k in ("kernel", "bias"))
     logits = images.reshape(len(images), -1).astype(np.float64) @ kernel + bias
-    return int(np.sum(np.argmax(logits, -1) == labels)) / len(labels)
+    shifted = logits - logits.max(1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(1, keepdims=True))
+    loss = -np.mean(log_probs[np.arange(len(labels)), labels])
+    return int(np.sum(np.argmax(logits, -1) == labels)) / len(labels), loss
 
 
 @pytest.mark.parametrize(
@@ -62,7 +66,9 @@ def test_accuracy_of_every_part_counts_every_example_once(split, parts):
         for part, indices in dataset.splits[env].items():
             assert len(indices) % config.eval_batch_size != 0  # an uneven last batch
             images, labels = source.images[env][indices], source.labels[env][indices]
-            expected[f"env{env}_{part}_acc"] = numpy_accuracy(params, images, labels)
+            accuracy, loss = numpy_accuracy_and_loss(params, images, labels)
+            expected[f"env{env}_{part}_acc"] = accuracy
+            assert accuracies.pop(f"env{env}_{part}_loss") == pytest.approx(loss, rel=1e-5)
     assert {k.split("_")[1] for k in accuracies} == parts
     assert accuracies == expected
     # A random linear model is not at chance everywhere alike: the parts differ.

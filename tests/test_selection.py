@@ -148,5 +148,31 @@ def test_sweep_selection_takes_the_first_setting_with_the_best_validation():
     assert selection.sweep_selection(selection.training_domain_run, {"none": {}}, 0) is None
 
 
+def test_rank_settings_keeps_the_callers_order_of_ties_and_drops_the_unscorable():
+    """DomainBed's list_top_hparams order: by validation accuracy, best first; of equal
+    ones the caller's order (collect_results passes them largest hparams_seed first)."""
+
+    def run(out1, out2):
+        return {(0,): [record(0, out=(0.5, out1, out2))]}
+
+    settings = {
+        "a": run(0.5, 0.5),
+        "b": run(0.75, 0.75),
+        "no single run": {(0, 1): [record(0, out=(0.0, 1.0, 1.0))]},
+        "d": run(1.0, 0.5),  # ties with b
+        "e": run(0.25, 0.5),
+    }
+    ranked = selection.rank_settings(selection.training_domain_run, settings, 0)
+    assert [(c["setting"], c["val_acc"]) for c in ranked] == [
+        ("b", 0.75),
+        ("d", 0.75),
+        ("a", 0.5),
+        ("e", 0.375),
+    ]
+    assert ranked[1] == {"step": 0, "val_acc": 0.75, "test_acc": 0.5, "setting": "d"}
+    assert selection.sweep_selection(selection.training_domain_run, settings, 0) == ranked[0]
+    assert selection.rank_settings(selection.leave_one_out_run, settings, 0) == []
+
+
 def test_every_rule_has_a_name_for_the_tables():
     assert set(selection.RUN_SELECTIONS) == set(selection.SELECTION_NAMES)

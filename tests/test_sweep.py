@@ -1,8 +1,10 @@
 """sagm_jax.sweep: job list and hashes, bookkeeping (skip, relaunch, failures,
 GPU pinning, status), exactly-once runs (two launchers at once, a killed launcher,
 SIGTERM), repeated --set, the submitit path (local executor, requeue after a time
-limit, the SLURM batch script), and one real tiny training job through its command."""
+limit, the SLURM batch script), one real tiny training job through its command, and the
+--hparams presets (per dataset, the SWAD grid with trial seed 0, the random search)."""
 
+import itertools
 import json
 import os
 import signal
@@ -592,6 +594,113 @@ def test_bad_method_arguments_are_named(tmp_path, capsys):
         (["--algorithms", "fish", "--objectives", "coral"], "no combination"),
         (["--grid", "objective=erm,coral"], "--grid objective"),
         (["--set", "disam_lambda=0.1"], "--set disam_lambda"),
+    ):
+        out = sweep_main(["status", "--datasets", "PACS", "--output_dir", str(tmp_path), *argv])
+        assert out == 2 and expected in capsys.readouterr().err, argv
+
+
+# --- --hparams presets: per dataset; the SWAD grid; DomainBed's random search ---------
+
+
+def preset_jobs(tmp_path, datasets, algorithms, argv):
+    base = ["launch", "--datasets", *datasets, "--algorithms", *algorithms, "--test_envs", "0"]
+    return make_jobs(parse_args(base + ["--output_dir", str(tmp_path), *argv]))
+
+
+def swept(jobs, keys=("lr", "dropout", "weight_decay", "alpha")):
+    """Each job's values of ``keys`` (None where it has none)."""
+    return sorted(tuple(j.args.get(k) for k in keys) for j in jobs)
+
+
+def test_reduced_is_the_papers_space_on_resnets_and_around_lr_1e3_on_the_mnist_cnn(tmp_path):
+    resnet = preset_jobs(tmp_path, ["PACS"], ["sagm"], ["--hparams", "reduced"])
+    lrs, dropouts, decays, alphas = [1e-5, 3e-5, 5e-5], [0.0, 0.1, 0.5], [1e-4, 1e-6], [1e-3, 5e-4]
+    product = itertools.product(lrs, dropouts, decays, alphas)
+    assert swept(resnet) == sorted(product) and len(resnet) == 36
+    # The ResNet grid names the same job folders as before it became per dataset.
+    old = {"lr": lrs, "dropout": dropouts, "weight_decay": decays, "alpha": alphas}
+    same = jobs_for(tmp_path, algorithms=["sagm"], test_envs=["0"], trial_seeds=[0], grid=old,
+                    fixed={})
+    assert {j.directory for j in resnet} == {j.directory for j in same}
+    for dataset in ("RotatedMNIST", "ColoredMNIST", "RotatedDigits"):
+        mnist = preset_jobs(tmp_path, [dataset], ["sagm", "erm"], ["--hparams", "reduced"])
+        sagm = [j for j in mnist if j.args["algorithm"] == "sagm"]
+        lrs = [3e-4, 1e-3, 3e-3]
+        assert swept(sagm) == sorted((lr, None, None, a) for lr in lrs for a in [1e-3, 5e-4])
+        erm = [j for j in mnist if j.args["algorithm"] == "erm"]
+        assert swept(erm) == [(lr, None, None, None) for lr in lrs]
+
+
+def test_swad_grid_is_18_points_searched_with_trial_seed_0_only(tmp_path, capsys):
+    argv = ["--hparams", "swad", "--trial_seeds", "0", "1", "2"]
+    jobs = preset_jobs(tmp_path, ["PACS", "DomainNet"], ["erm", "sagm"], argv)
+    assert "trial seed 0 only" in capsys.readouterr().err
+    grid = sorted(
+        (lr, p, wd, None)
+        for lr in (1e-5, 3e-5, 5e-5)
+        for p in (0.0, 0.1, 0.5)
+        for wd in (1e-4, 1e-6)
+    )
+    for dataset, algorithm in itertools.product(("pacs", "domain_net"), ("erm", "sagm")):
+        mine = [
+            j for j in jobs
+            if j.args["config"] == f"configs/{dataset}.py" and j.args["algorithm"] == algorithm
+        ]
+        assert swept(mine) == grid and len(mine) == 18
+        assert {j.args["trial_seed"] for j in mine} == {j.args["seed"] for j in mine} == {0}
+    preset_jobs(tmp_path, ["PACS"], ["erm"], ["--hparams", "swad"])
+    assert capsys.readouterr().err == ""  # trial seed 0 asked for: nothing to say
+    code = sweep_main(["status", "--datasets", "RotatedMNIST", "--output_dir", str(tmp_path),
+                       "--hparams", "swad"])
+    assert code == 2 and "for the ResNet datasets" in capsys.readouterr().err
+
+
+def test_random_search_sets_each_jobs_hparams_seed_and_its_draws(tmp_path):
+    from sagm_jax.hparams import random_hparams
+
+    argv = ["--hparams", "random", "--n_hparams", "4", "--trial_seeds", "0", "1"]
+    jobs = preset_jobs(tmp_path, ["PACS", "RotatedMNIST"], ["erm", "fish"], argv)
+    assert len(jobs) == 2 * 2 * 2 * 4 and len({j.directory for j in jobs}) == len(jobs)
+    for job in jobs:
+        args, seed = job.args, job.args["hparams_seed"]
+        dataset = sweep_jobs.DATASET_OF[args["config"]]
+        drawn = random_hparams(args["algorithm"], dataset, seed, args["trial_seed"])
+        own = set(args) - {*sweep_jobs.SWEEP_KEYS, "hparams_seed"}
+        assert own == set(drawn) and all(args[k] == drawn[k] for k in own)
+        assert f"--config.hparams_seed={seed}" in job.command()
+    pacs_erm = [j.args for j in jobs if j.args["config"] == "configs/pacs.py"
+                and j.args["algorithm"] == "erm"]
+    assert [a["hparams_seed"] for a in pacs_erm] == [0, 1, 2, 3] * 2
+    # Setting 0 is DomainBed's defaults for ResNets, whichever the trial seed.
+    for args in (a for a in pacs_erm if a["hparams_seed"] == 0):
+        assert (args["lr"], args["batch_per_env"], args["weight_decay"], args["dropout"]) == (
+            5e-5, 32, 0.0, 0.0
+        )
+    # The other settings are drawn per trial seed, as DomainBed's are.
+    first, second = pacs_erm[1], pacs_erm[5]
+    assert first["hparams_seed"] == second["hparams_seed"] == 1
+    assert first["lr"] != second["lr"]
+    mnist = [j.args for j in jobs if j.args["config"] == "configs/rotated_mnist.py"]
+    assert all("dropout" not in a for a in mnist)
+
+
+def test_random_search_with_disam_draws_one_lambda(tmp_path):
+    argv = ["--hparams", "random", "--n_hparams", "3", "--disam_lambdas", "0", "0.1"]
+    jobs = preset_jobs(tmp_path, ["PACS"], ["sagm"], argv)
+    disam = [j.args for j in jobs if "disam_lambda" in j.args]
+    assert len(jobs) == 6 and [a["hparams_seed"] for a in disam] == [0, 1, 2]
+    assert disam[0]["disam_lambda"] == 0.1  # setting 0: the lambda given
+    assert all(0.01 <= a["disam_lambda"] <= 1 for a in disam) and disam[1]["disam_lambda"] != 0.1
+
+
+def test_bad_preset_arguments_are_named(tmp_path, capsys):
+    for argv, expected in (
+        (["--hparams", "random", "--grid", "lr=1e-5,3e-5"], "--grid lr with --hparams random"),
+        (["--hparams", "random", "--set", "hparams_seed=3"], "--set hparams_seed"),
+        (["--hparams", "random", "--n_hparams", "0"], "--n_hparams 0"),
+        (["--hparams", "reduced", "--n_hparams", "5"], "is for --hparams random"),
+        (["--hparams", "random", "--algorithms", "sagm", "--disam_lambdas", "0.1", "0.2"],
+         "give 0 and/or one positive value"),
     ):
         out = sweep_main(["status", "--datasets", "PACS", "--output_dir", str(tmp_path), *argv])
         assert out == 2 and expected in capsys.readouterr().err, argv

@@ -206,9 +206,22 @@ def _folder_overrides(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dataset", ["rotated_digits", "image_folder_device_input"])
+@pytest.mark.parametrize(
+    "dataset", ["rotated_digits", "image_folder_device_input", "rotated_digits_swad"]
+)
 def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path, dataset):
-    overrides = _folder_overrides(tmp_path) if dataset != "rotated_digits" else []
+    overrides = {
+        "rotated_digits": [],
+        "image_folder_device_input": _folder_overrides(tmp_path),
+        # SWAD: its averages and valley resume too (tolerance 100: the valley lives on).
+        "rotated_digits_swad": [
+            "--config.swad=True",
+            "--config.swad_eval_every=3",
+            "--config.swad_n_converge=2",
+            "--config.swad_n_tolerance=3",
+            "--config.swad_tolerance_ratio=100",
+        ],
+    }[dataset]
     subprocess.run(
         _main_command(tmp_path / "whole", *overrides),
         check=True,
@@ -243,6 +256,14 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path, dataset
         jax.tree.leaves(restore_params(tmp_path / "whole")), jax.tree.leaves(restore_params(killed))
     ):
         np.testing.assert_array_equal(a, b)
+    if dataset.endswith("swad"):
+        whole_swad = train.load_run(str(tmp_path / "whole"), "swad")
+        killed_swad = train.load_run(str(killed), "swad")
+        for a, b in zip(jax.tree.leaves(whole_swad[1]), jax.tree.leaves(killed_swad[1])):
+            np.testing.assert_array_equal(a, b)
+        assert {k: v for k, v in whole_swad[2].items() if k != "args"} == {
+            k: v for k, v in killed_swad[2].items() if k != "args"
+        }
 
 
 @pytest.mark.slow

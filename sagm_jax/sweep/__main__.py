@@ -3,7 +3,8 @@
     python -m sagm_jax.sweep launch --datasets RotatedDigits \\
         --algorithms erm sam gsam sagm --test_envs all --trial_seeds 0 1 2 \\
         [--objectives erm coral] [--disam_lambdas 0 0.1] \\
-        --output_dir sweeps/digits --jobs 2 [--hparams paper|reduced] \\
+        --output_dir sweeps/digits --jobs 2 [--hparams paper|reduced|swad] \\
+        [--hparams random --n_hparams 20] \\
         [--grid lr=1e-5,3e-5] [--set steps=301 --set eval_every=50 ...] [--gpus 0,1] [--dry_run]
     python -m sagm_jax.sweep launch ...same grid... --launcher slurm --partition gpu \\
         --gpus_per_job 1 --time_min 240 [--account A] [--array_parallelism 64]
@@ -14,10 +15,14 @@ The grid (``sagm_jax.sweep.jobs``): each dataset's config file, every method (up
 rule x objective x DISAM lambda of ``sagm_jax.methods``, less the combinations it
 refuses, each skipped with one line saying why), test environment set, trial seed and
 point of ``--hparams`` / ``--grid`` (a method's own hyperparameters only for it), with
-every ``--set``. Test environments: ``all`` (each environment alone), ``all_with_pairs``
-(each alone and every pair, as DomainBed's sweep; leave-one-domain-out selection needs
-the pairs), or explicit sets such as ``0 1 0,1``. ``--set`` and ``--grid`` may be
-repeated; each adds keys. Jobs run from the repository (config files are relative to it).
+every ``--set``. ``--hparams`` presets are per dataset
+(``sagm_jax.sweep.jobs.preset_grid``); ``--hparams random`` gives each job
+``hparams_seed`` k and the values ``sagm_jax.hparams.random_hparams`` draws for it, as
+DomainBed's sweep does. Test environments: ``all`` (each environment alone),
+``all_with_pairs`` (each alone and every pair, as DomainBed's sweep; leave-one-domain-out
+selection needs the pairs), or explicit sets such as ``0 1 0,1``. ``--set`` and
+``--grid`` may be repeated; each adds keys. Jobs run from the repository (config files
+are relative to it).
 
 The launchers (``sagm_jax.sweep.launchers``): ``--launcher local`` (default) runs
 ``--jobs N`` at a time, or one per GPU with ``--gpus 0,1,...``; ``--launcher slurm``
@@ -109,9 +114,18 @@ def _grid_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--hparams",
-        choices=sorted(PRESETS),
+        choices=PRESETS,
         default="paper",
-        help="paper: each config's own values; reduced: the paper's search space.",
+        help="paper: each config's own values; reduced: the paper's search space "
+        "(ResNet datasets), a search around DomainBed's lr 1e-3 (MNIST-like ones); swad: "
+        "the SWAD authors' 18-point grid, trial seed 0 only; random: DomainBed's random "
+        "search, settings 0..n_hparams-1 (0 = DomainBed's defaults).",
+    )
+    parser.add_argument(
+        "--n_hparams",
+        type=int,
+        help=f"--hparams random: settings per method, dataset and trial seed "
+        f"(default {jobs_lib.DEFAULT_N_HPARAMS}, as DomainBed's sweep).",
     )
     parser.add_argument(
         "--grid",
@@ -159,7 +173,7 @@ def _launcher_arguments(parser: argparse.ArgumentParser) -> None:
 def make_jobs(args) -> list[jobs_lib.Job]:
     """The grid the arguments name (``ValueError`` on a bad one); prints one line per
     method combination the grid skips."""
-    grid = {**PRESETS[args.hparams], **jobs_lib.parse_assignments(args.grid, "--grid")}
+    grid = jobs_lib.parse_assignments(args.grid, "--grid")
     fixed = {k: v[0] for k, v in jobs_lib.parse_assignments(args.set, "--set").items()}
     methods_axes = (args.objectives, args.algorithms, args.disam_lambdas)
     kept, skipped = jobs_lib.method_combinations(*methods_axes)
@@ -169,6 +183,17 @@ def make_jobs(args) -> list[jobs_lib.Job]:
         raise ValueError(
             "no combination of --objectives, --algorithms and --disam_lambdas is left."
         )
+    if args.n_hparams is not None and args.hparams != "random":
+        raise ValueError(f"--n_hparams {args.n_hparams} is for --hparams random.")
+    seeds = jobs_lib.preset_trial_seeds(args.hparams, args.trial_seeds)
+    if seeds != args.trial_seeds:
+        print(
+            f"sweep: --hparams {args.hparams} is searched with trial seed "
+            f"{', '.join(map(str, seeds))} only (the SWAD authors' protocol); --trial_seeds "
+            f"{' '.join(map(str, args.trial_seeds))} ignored. Rerun the chosen setting with "
+            "--hparams paper --set ... for the other trial seeds.",
+            file=sys.stderr,
+        )
     axes = (args.datasets, args.algorithms, args.test_envs, args.trial_seeds)
     return jobs_lib.make_jobs(
         *axes,
@@ -177,6 +202,8 @@ def make_jobs(args) -> list[jobs_lib.Job]:
         args.output_dir,
         objectives=args.objectives,
         disam_lambdas=args.disam_lambdas,
+        hparams_preset=args.hparams,
+        n_hparams=jobs_lib.DEFAULT_N_HPARAMS if args.n_hparams is None else args.n_hparams,
     )
 
 

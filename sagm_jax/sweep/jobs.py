@@ -2,7 +2,9 @@
 
 A job is one argument set: the config file of its dataset, then config overrides
 (``algorithm``, ``test_envs``, ``trial_seed``, ``seed`` = the trial seed, one point of
-the hyperparameter grid, and every ``--set``; ``objective`` and ``disam_lambda`` only
+the hyperparameter grid of its preset and dataset (:func:`preset_grid`) or, in a random
+search, ``hparams_seed`` = k and setting k's draws (``sagm_jax.hparams``), and every
+``--set``; ``objective`` and ``disam_lambda`` only
 where they are not the defaults erm and 0, so that the jobs of a sweep launched before
 those existed keep their names). As in DomainBed, its directory is
 ``<output_dir>/<md5 of json.dumps(args, sort_keys=True)>``, with the arguments in
@@ -22,7 +24,7 @@ import os
 import shutil
 import sys
 
-from sagm_jax import claims, methods, rundir
+from sagm_jax import claims, hparams, methods, rundir
 from sagm_jax.data import registry
 from sagm_jax.formatting import flag_value
 
@@ -35,17 +37,30 @@ CONFIG_FILES = {
 }
 DATASET_OF = {path: name for name, path in CONFIG_FILES.items()}
 
-# The paper's search space for the other methods (docs/protocol.md); "paper" keeps each
-# config file's own (the paper's per-dataset) hyperparameters.
-PRESETS = {
-    "paper": {},
-    "reduced": {
-        "lr": [1e-5, 3e-5, 5e-5],
-        "dropout": [0.0, 0.1, 0.5],
-        "weight_decay": [1e-4, 1e-6],
-        "alpha": [1e-3, 5e-4],
-    },
+# The --hparams presets (:func:`preset_grid`), each per dataset. "paper" keeps each
+# config file's own (the paper's per-dataset) hyperparameters. "reduced" is the paper's
+# search space for the other methods (docs/protocol.md) on the ResNet datasets, and on
+# the MNIST-like ones (the MNIST CNN: no dropout, DomainBed fixes weight decay at 0) a
+# search around DomainBed's MNIST lr 1e-3, inside its draw 10^U(-4.5, -2.5). "swad" is
+# the SWAD authors' 18-point grid (khanrc/swad#3), for the ResNet datasets, searched with
+# trial seed 0 only. "random" is DomainBed's random search (sagm_jax.hparams), one job
+# per hparams_seed 0..n_hparams-1.
+PRESETS = ("paper", "reduced", "swad", "random")
+REDUCED_RESNET = {
+    "lr": [1e-5, 3e-5, 5e-5],
+    "dropout": [0.0, 0.1, 0.5],
+    "weight_decay": [1e-4, 1e-6],
+    "alpha": [1e-3, 5e-4],
 }
+REDUCED_MNIST = {"lr": [3e-4, 1e-3, 3e-3], "alpha": [1e-3, 5e-4]}
+SWAD_GRID = {
+    "lr": [1e-5, 3e-5, 5e-5],
+    "dropout": [0.0, 0.1, 0.5],
+    "weight_decay": [1e-4, 1e-6],
+}
+SWAD_TRIAL_SEEDS = [0]
+# DomainBed's sweep draws 20 settings per method, dataset and trial.
+DEFAULT_N_HPARAMS = 20
 # Hyperparameters an objective or update rule ignores are not swept for it (no duplicate
 # runs); a key not listed here (lr, dropout, ...) is every method's. The sharpness-aware
 # heads' settings: ``alpha`` is SAGM's alone (erm_sam is SAGM with alpha 0); GSAM has
@@ -57,8 +72,10 @@ USED_BY = {
     "combine": ("sagm", "erm_sam"),
     **{h.key: methods.owners(h.key) for h in methods.hyperparameters() if methods.owners(h.key)},
 }
-# What every job's arguments hold besides its grid point and --set keys.
+# What every job's arguments hold besides its grid point and --set keys; a random
+# search's jobs add HPARAMS_SEED, the index of their setting.
 SWEEP_KEYS = ("config", "algorithm", "test_envs", "trial_seed", "seed")
+HPARAMS_SEED = "hparams_seed"
 # The sweep's axes that a job holds only where they differ from these defaults.
 DEFAULT_AXES = {"objective": "erm", "disam_lambda": 0.0}
 
@@ -213,6 +230,66 @@ class Job:
         return " ".join(words + [f"{k}={flag_value(args[k])}" for k in extra_keys if k in args])
 
 
+def preset_grid(preset: str, dataset: str) -> dict[str, list]:
+    """The grid of ``--hparams preset`` for ``dataset`` (:data:`PRESETS`): ``{}`` for
+    "paper" and "random" (a random search sets its points itself)."""
+    if preset not in PRESETS:
+        raise ValueError(f"--hparams {preset!r}: expected one of {', '.join(PRESETS)}.")
+    mnist = hparams.is_mnist_like(dataset)
+    if preset == "reduced":
+        return REDUCED_MNIST if mnist else REDUCED_RESNET
+    if preset == "swad":
+        if mnist:
+            raise ValueError(
+                f"--hparams swad with {dataset}: the SWAD authors' grid (lr, ResNet dropout, "
+                "weight decay) is for the ResNet datasets; search the MNIST CNN with "
+                "--hparams reduced or --hparams random."
+            )
+        return SWAD_GRID
+    return {}
+
+
+def preset_trial_seeds(preset: str, trial_seeds) -> list[int]:
+    """The trial seeds a preset searches with: the SWAD authors searched their grid once,
+    with trial seed 0 (:data:`SWAD_TRIAL_SEEDS`); the other presets take them all."""
+    return list(SWAD_TRIAL_SEEDS) if preset == "swad" else list(trial_seeds)
+
+
+def _check_random_search(grid, fixed, disam_lambdas, n_hparams) -> None:
+    """A random search names each setting by its index ``hparams_seed``: a --grid would
+    give one index several settings, and two DISAM lambdas the same drawn jobs."""
+    if grid:
+        raise ValueError(
+            f"--grid {', '.join(sorted(grid))} with --hparams random: each job's "
+            "hyperparameters are drawn; use --set to fix a key for every job."
+        )
+    if HPARAMS_SEED in fixed:
+        raise ValueError(f"--set {HPARAMS_SEED}: set by --hparams random (0..n_hparams-1).")
+    if len({float(v) for v in disam_lambdas if float(v) > 0}) > 1:
+        raise ValueError(
+            f"--disam_lambdas {' '.join(str(v) for v in disam_lambdas)} with --hparams "
+            "random: the search draws DISAM's lambda (setting 0 takes the value given); "
+            "give 0 and/or one positive value."
+        )
+    if not (isinstance(n_hparams, int) and n_hparams >= 1):
+        raise ValueError(f"--n_hparams {n_hparams}: expected a positive integer.")
+
+
+def _points(dataset, objective, algorithm, disam, trial_seed, grid, preset, n_hparams):
+    """The hyperparameter points of one method's jobs: the preset's grid with the
+    ``--grid`` keys over it, or the random search's settings ``hparams_seed`` 0..n-1."""
+    if preset != "random":
+        merged = {**preset_grid(preset, dataset), **grid}
+        return grid_points(merged, algorithm, objective)
+    return [
+        {
+            HPARAMS_SEED: k,
+            **hparams.random_hparams(algorithm, dataset, k, trial_seed, objective, disam),
+        }
+        for k in range(n_hparams)
+    ]
+
+
 def make_jobs(
     datasets,
     algorithms,
@@ -223,10 +300,14 @@ def make_jobs(
     output_dir,
     objectives=("erm",),
     disam_lambdas=(0.0,),
+    hparams_preset="paper",
+    n_hparams=DEFAULT_N_HPARAMS,
 ) -> list[Job]:
     """The sweep's jobs, in a fixed order, for every combination that
-    :func:`method_combinations` keeps. ``grid`` maps keys to value lists; ``fixed``
-    maps keys to one value each (``--set``)."""
+    :func:`method_combinations` keeps. ``grid`` maps keys to value lists (``--grid``,
+    over the preset's grid, :func:`preset_grid`); ``fixed`` maps keys to one value each
+    (``--set``). ``hparams_preset="random"``: ``n_hparams`` settings per method, dataset
+    and trial seed; "swad": trial seed 0 only (:func:`preset_trial_seeds`)."""
     # The sweep itself sets these (and the grid its keys); a --set of one would give
     # several jobs the same arguments.
     axes = set(SWEEP_KEYS) | set(DEFAULT_AXES)
@@ -240,25 +321,29 @@ def make_jobs(
     for dataset in datasets:
         if dataset not in CONFIG_FILES:
             raise ValueError(f"--datasets {dataset!r}: expected one of {', '.join(CONFIG_FILES)}.")
+        preset_grid(hparams_preset, dataset)  # refuses a preset the dataset has not
+    if hparams_preset == "random":
+        _check_random_search(grid, fixed, disam_lambdas, n_hparams)
     combinations, _ = method_combinations(objectives, algorithms, disam_lambdas)
     jobs = []
     for dataset, (objective, algorithm, disam) in itertools.product(datasets, combinations):
         method = {"objective": objective, "disam_lambda": disam}
         method = {k: v for k, v in method.items() if v != DEFAULT_AXES[k]}
-        points = grid_points(grid, algorithm, objective)
         for envs in test_env_sets(test_envs, num_environments(dataset)):
-            for trial_seed, point in itertools.product(trial_seeds, points):
-                args = {
-                    "config": CONFIG_FILES[dataset],
-                    "algorithm": algorithm,
-                    **method,
-                    "test_envs": envs,
-                    "trial_seed": trial_seed,
-                    "seed": trial_seed,
-                    **point,
-                    **fixed,
-                }
-                jobs.append(Job(args, output_dir))
+            for trial_seed in preset_trial_seeds(hparams_preset, trial_seeds):
+                draw = (objective, algorithm, disam, trial_seed)
+                for point in _points(dataset, *draw, grid, hparams_preset, n_hparams):
+                    args = {
+                        "config": CONFIG_FILES[dataset],
+                        "algorithm": algorithm,
+                        **method,
+                        "test_envs": envs,
+                        "trial_seed": trial_seed,
+                        "seed": trial_seed,
+                        **point,
+                        **fixed,
+                    }
+                    jobs.append(Job(args, output_dir))
     return jobs
 
 
