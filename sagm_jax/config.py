@@ -497,6 +497,12 @@ FIELDS: dict[str, tuple[Field, ...]] = {
             _BOOL,
         ),
         Field(
+            "swad_batchnorm_batches",
+            500,
+            "trainable BatchNorm: training minibatches that re-estimate the SWAD model's statistics",
+            _integer(1),
+        ),
+        Field(
             "swad_stop_at_valley_end",
             True,
             "stop training when the valley ends, as the reference does",

@@ -127,14 +127,11 @@ class SwadRun:
         return record
 
 
-# The reference's update_bn forwards this many training minibatches.
-BATCHNORM_BATCHES = 500
-
-
 def recompute_batchnorm(state, program, config):
     """The averaged weights' BatchNorm statistics, recomputed as the reference's
-    ``update_bn`` does: the plain mean, over the next ``BATCHNORM_BATCHES`` training
-    minibatches (augmented as in training), of each batch's statistics in training mode.
+    ``update_bn`` does: the plain mean, over the next ``config.swad_batchnorm_batches``
+    training minibatches (the reference's 500, augmented as in training), of each
+    batch's statistics in training mode.
 
     A training forward from running statistics (0, 0) returns ``(1 - m) x`` the batch
     statistics (Flax's update ``m old + (1 - m) batch``, ``m`` the momentum), so each
@@ -166,7 +163,7 @@ def recompute_batchnorm(state, program, config):
     )
     total = zeros
     try:
-        for k in range(BATCHNORM_BATCHES):
+        for k in range(config.swad_batchnorm_batches):
             stats = batch_statistics(state.params, next(batches), start + k)
             total = jax.tree.map(lambda t, s, n=k: t + (s - t) / (n + 1), total, stats)
     finally:

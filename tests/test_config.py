@@ -440,10 +440,12 @@ def test_settings_that_do_not_change_the_result_keep_hparams_seed():
     config = base_config().to_dict()
     expected = _md5_seed(
         config,
-        {"test_envs", "all_test_envs", "trial_seed", "seed", "num_devices"}
+        {"test_envs", "all_test_envs", "trial_seed", "seed", "num_devices", "hparams_seed"}
         | set(RESULT_FREE),
     )
     assert hparams_seed(config) == expected
+    # A --hparams random setting carries its index, DomainBed's args.hparams_seed.
+    assert hparams_seed({**config, "hparams_seed": 7}) == 7
     for key, value in RESULT_FREE.items():
         assert hparams_seed({**config, key: value}) == expected, key
     assert hparams_seed({**config, "num_devices": 4}) == expected  # global perturbation

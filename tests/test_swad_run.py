@@ -102,3 +102,31 @@ def test_the_valleys_end_stops_the_run_and_says_so(tmp_path, monkeypatch, capsys
     assert rundir.read_swad_record(str(tmp_path / "full"))["swad"]["dead_at_step"] == (
         expected_dead_step
     )
+
+
+@pytest.mark.slow
+def test_trainable_batchnorm_statistics_are_recomputed_for_the_averaged_weights(tmp_path):
+    """update_bn: the SWAD model's first BatchNorm holds the mean, over the next
+    swad_batchnorm_batches training minibatches, of its input's batch mean, computed here
+    from the first convolution (the digits need no augmentation)."""
+    from sagm_jax import data as data_lib
+
+    config = digits_config(
+        arch="resnet18", pretrained_weights="none", freeze_batchnorm=False, algorithm="erm",
+        steps=2, swad_batchnorm_batches=2, **dict(SWAD, swad_eval_every=1),
+    )
+    train.train_and_evaluate(config, str(tmp_path))
+    _, variables, _ = train.load_run(str(tmp_path), which="swad")
+    kernel = np.asarray(variables["params"]["conv1"]["kernel"], np.float64)
+    dataset = data_lib.from_config(config)
+    batches = dataset.train_iterator(range(1, 6), seed=0, batch_per_env=8, start_step=2)
+    means = []
+    for _ in range(2):
+        x = np.asarray(next(batches)["image"], np.float64)
+        out = jax.lax.conv_general_dilated(
+            x, kernel, (2, 2), ((3, 3), (3, 3)), dimension_numbers=("NHWC", "HWIO", "NHWC"),
+            precision=jax.lax.Precision.HIGHEST,
+        )
+        means.append(np.asarray(out).mean(axis=(0, 1, 2)))
+    recomputed = np.asarray(variables["batch_stats"]["bn1"]["mean"])
+    np.testing.assert_allclose(recomputed, np.mean(means, 0), rtol=1e-3, atol=1e-5)
