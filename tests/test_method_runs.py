@@ -9,14 +9,13 @@ from sagm_jax import methods, train
 
 from run_fixtures import digits_config
 
-# One run per objective (under SAGM, whose head needs the objective's gradient at two
-# points), per procedure, and DISAM on a head with an objective.
+# Every objective and procedure trains end to end in one of this file's runs: here the
+# objectives not run below, under a head (whose second pass needs the objective's
+# gradient at the perturbed point), and DISAM on GSAM; CORAL + SAGM + DISAM and MLDG on
+# 1 and 8 devices; GroupDRO, IRM and Fish resumed; CutMix and AND-mask on an image folder.
 COMBINATIONS = [
-    *[dict(objective=name, algorithm="sagm") for name in methods.OBJECTIVES],
-    *[dict(algorithm=name) for name in methods.PROCEDURES],
-    dict(objective="coral", algorithm="sagm", disam_lambda=0.5),
+    *[dict(objective=name, algorithm="sagm") for name in ("erm", "mixup", "mmd", "irm", "vrex")],
     dict(objective="mixup", algorithm="gsam", disam_lambda=0.5),
-    dict(objective="groupdro", algorithm="erm"),
 ]
 # Small anneals, so that IRM's and VREx's switch and Adam restart happen inside a test.
 SHORT = dict(irm_penalty_anneal_iters=2, vrex_penalty_anneal_iters=2, mldg_n_meta_test=1)

@@ -35,21 +35,18 @@ def _valley_losses(records, train_envs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fix_quirks", [False, True])
-def test_the_swad_model_is_the_mean_of_the_steps_over_the_valleys_segments(
-    tmp_path, monkeypatch, fix_quirks
-):
+def test_the_swad_model_is_the_mean_of_the_steps_over_the_valleys_segments(tmp_path, monkeypatch):
     trajectory = []
     _record_params(monkeypatch, trajectory)
     config = digits_config(
-        steps=13, swad_tolerance_ratio=100.0, swad_fix_quirks=fix_quirks, **SWAD
+        steps=13, swad_tolerance_ratio=100.0, **SWAD
     )
     records = train.train_and_evaluate(config, str(tmp_path))
     steps = [r["step"] for r in records]
     assert steps == [0, 2, 4, 6, 8, 10, 12] and len(trajectory) == 13
     segments, dead_at = swad.select_segments(
         _valley_losses(records, range(1, 6)), n_converge=2, n_tolerance=3,
-        tolerance_ratio=100.0, fix_quirks=fix_quirks,
+        tolerance_ratio=100.0,
     )
     assert dead_at is None and segments
     # Segment k: the steps after evaluation k-1 up to evaluation k (segment 0: step 0).
