@@ -4,14 +4,16 @@
         --output_dir docs/study [--rhos 0,0.01,0.02,0.05,0.1,0.2] [--checkpoint latest]
 
 For every finished run under ``input_dir`` (``rundir.find_runs``: ``done`` and ``config.json``),
-the run's parameters are restored (``sagm_jax.load_run``: latest or best) and
+the run's parameters are restored (``sagm_jax.load_run``: latest, best, or a SWAD run's
+averaged model) and
 ``sagm_jax.sharpness`` measures, on its TARGET domain ``D`` (every example of the
 run's test environment, "in" and "out" splits together, no augmentation, eval mode)::
 
     h_rho = L_D(w + rho * g / ||g||) - L_D(w),    g = grad L_D(w)
 
 Writes ``sharpness.json`` (one entry per run) and ``sharpness.png``: one panel per
-target domain, one curve per algorithm (mean over trial seeds, bars = s.e.).
+target domain, one curve per method (the tables' row name; mean over trial seeds, bars =
+s.e.).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import numpy as np
 import sagm_jax.data
 from sagm_jax import rundir, train
 from sagm_jax.cli import quiet_tensorflow_import
+from sagm_jax.methods import method_label
 from sagm_jax.sharpness import sharpness
 from sagm_jax.train_step import apply_model, per_example_cross_entropy
 
@@ -69,6 +72,15 @@ class TargetDomain:
             yield from self.dataset.eval_iterator(self.env, part, batch_size=self.batch_size)
 
 
+def _label(config, checkpoint: str) -> str:
+    """The tables' row of the run (``methods.method_label``), "+ SWAD" for its SWAD model."""
+    label = method_label(
+        config.get("objective", "erm"), config.algorithm, config.get("disam_lambda", 0.0)
+    )
+    label += " + MixStyle" if config.mixstyle else ""
+    return label + (" + SWAD" if checkpoint == "swad" else "")
+
+
 def run_sharpness(workdir: str, rhos, checkpoint: str = "latest") -> list[dict]:
     config, dataset, model, variables, step = restore_run(workdir, checkpoint)
 
@@ -89,6 +101,7 @@ def run_sharpness(workdir: str, rhos, checkpoint: str = "latest") -> list[dict]:
                 "run": os.path.relpath(workdir),
                 "dataset": config.dataset,
                 "algorithm": config.algorithm,
+                "method": _label(config, checkpoint),
                 "mixstyle": config.mixstyle,
                 "trial_seed": config.trial_seed,
                 "test_env": int(env),
@@ -115,7 +128,9 @@ def plot(entries: list[dict], path: str) -> None:
         curves = collections.defaultdict(list)
         for e in entries:
             if (e["dataset"], e["test_env"]) == (dataset, env):
-                label = e["algorithm"].upper() + (" + MixStyle" if e["mixstyle"] else "")
+                label = e.get("method") or (
+                    e["algorithm"].upper() + (" + MixStyle" if e["mixstyle"] else "")
+                )
                 curves[label].append(e)
         for label in sorted(curves):
             rho = curves[label][0]["rho"]
@@ -150,7 +165,13 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--rhos", default=",".join(str(r) for r in DEFAULT_RHOS), help="comma-separated radii"
     )
-    parser.add_argument("--checkpoint", default="latest", choices=("latest", "best"))
+    parser.add_argument(
+        "--checkpoint",
+        default="latest",
+        choices=("latest", "best", "swad"),
+        help="which model of each run: latest, best (training-domain validation), or swad "
+        "(a SWAD run's averaged model)",
+    )
     args = parser.parse_args(argv)
     quiet_tensorflow_import()  # its start-up notes, printed twice, are noise here
     try:

@@ -16,12 +16,15 @@ from run_fixtures import digits_config
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("perturbation", ["global", "per_device"])
-def test_sharpness_curves_of_a_finished_run(tmp_path, perturbation):
+@pytest.mark.parametrize(
+    "perturbation,checkpoint", [("global", "latest"), ("per_device", "latest"), ("global", "swad")]
+)
+def test_sharpness_curves_of_a_finished_run(tmp_path, perturbation, checkpoint):
     """Per-device (m-sharpness) runs load as global ones do: the script restores the
-    parameters without rebuilding the optimizer."""
+    parameters without rebuilding the optimizer; a SWAD run's averaged model too."""
+    swad = dict(swad=True, swad_eval_every=1) if checkpoint == "swad" else {}
     config = digits_config(
-        steps=3, cnn_widths=(8, 16, 16, 16), test_envs=(2,), perturbation=perturbation
+        steps=3, cnn_widths=(8, 16, 16, 16), test_envs=(2,), perturbation=perturbation, **swad
     )
     run_dir = tmp_path / "sweep" / "run0"
     train.train_and_evaluate(config, str(run_dir))
@@ -35,6 +38,8 @@ def test_sharpness_curves_of_a_finished_run(tmp_path, perturbation):
                 str(tmp_path / "out"),
                 "--rhos",
                 ",".join(map(str, rhos)),
+                "--checkpoint",
+                checkpoint,
             ]
         )
         == 0
@@ -42,11 +47,12 @@ def test_sharpness_curves_of_a_finished_run(tmp_path, perturbation):
     with open(tmp_path / "out" / "sharpness.json") as f:
         (entry,) = json.load(f)
     assert entry["test_env"] == 2 and entry["env_name"] == "30" and entry["step"] == 2
+    assert entry["method"] == ("SAGM + SWAD" if checkpoint == "swad" else "SAGM")
     assert entry["sharpness"][0] == 0.0
     assert os.path.getsize(tmp_path / "out" / "sharpness.png") > 10_000
 
     # Independently: full-batch loss of the whole target domain at w and at w + rho g/|g|.
-    _, dataset, model, variables, step = sharpness_curves.restore_run(str(run_dir), "latest")
+    _, dataset, model, variables, step = sharpness_curves.restore_run(str(run_dir), checkpoint)
     params = variables["params"]
     assert step == 2
     env = 2
