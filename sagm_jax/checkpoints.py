@@ -24,6 +24,10 @@ evaluation later, after pages of thread tracebacks; waiting costs the write itse
 about 0.5 s for 200 MB of train state on a local disk, once per evaluation. A failed
 save leaves the records and the last good checkpoint; its partial folder is removed
 when the run is relaunched.
+
+A Ctrl-C or SIGTERM that arrives during a save is held until the save is complete and
+then stops the run (``KeyboardInterrupt``): a save is never cut in half, and orbax's
+commit threads never meet an interpreter that is already shutting down.
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ import logging
 import math
 import os
 import shutil
+import signal
 import sys
+import threading
 
 import jax
 import orbax.checkpoint as ocp
@@ -107,7 +113,7 @@ class Checkpoints:
                 "no checkpoint can be ranked by it."
             )
         metrics = {"validation": float(validation), "step": int(step)}
-        with _save_errors_held() as held:
+        with _stops_held(), _save_errors_held() as held:
             try:
                 self.manager.save(step, args=ocp.args.StandardSave(state), metrics=metrics)
             except Exception as error:
@@ -140,6 +146,25 @@ class Checkpoints:
         that end a run with it). Does not raise again for a save that failed."""
         if self.manager is not None:
             self.manager.wait_until_finished()
+
+
+@contextlib.contextmanager
+def _stops_held():
+    """Holds SIGINT and SIGTERM until the block ends, then delivers the first one that
+    came to the handler it was held from (the run's: ``KeyboardInterrupt``). Only the
+    main thread can set signal handlers; elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received, stops = [], (signal.SIGINT, signal.SIGTERM)
+    previous = {signum: signal.signal(signum, lambda n, _: received.append(n)) for signum in stops}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if received:
+            signal.raise_signal(received[0])
 
 
 @contextlib.contextmanager
@@ -224,7 +249,7 @@ def save_swad_variables(workdir: str, variables: dict) -> None:
     path = os.path.abspath(os.path.join(workdir, SWAD_DIRECTORY))
     if os.path.exists(path):
         shutil.rmtree(path)
-    with ocp.StandardCheckpointer() as checkpointer:
+    with _stops_held(), ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(path, variables)
 
 

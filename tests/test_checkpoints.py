@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -95,6 +96,28 @@ def test_a_state_without_batch_stats_restores_empty_batch_stats(tmp_path):
     checkpoints.save(0, state, 0.5)
     checkpoints.wait()
     assert restore_variables(str(tmp_path), 0)["batch_stats"] == {}
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_during_a_save_waits_for_the_save_then_stops(tmp_path, monkeypatch, signum):
+    """Ctrl-C (or SIGTERM, which the run maps to it) in the middle of a save: the save
+    completes and restores, then the run stops with KeyboardInterrupt."""
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    checkpoints = Checkpoints(str(tmp_path))
+    save = checkpoints.manager.save
+
+    def save_interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signum)  # delivered now, in the middle of the save
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoints.manager, "save", save_interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            checkpoints.save(4, state_at(4), 0.5)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert saved_steps(str(tmp_path)) == [4]
+    assert_same_values(Checkpoints(str(tmp_path)).restore_latest(state_at(0)), state_at(4))
 
 
 def test_a_non_finite_validation_cannot_rank_a_checkpoint(tmp_path):
