@@ -293,7 +293,26 @@ FIELDS: dict[str, tuple[Field, ...]] = {
             "training examples per training environment and step",
             _integer(1),
         ),
-        Field("eval_batch_size", 128, "examples per evaluation batch", _integer(1)),
+        Field(
+            "eval_splits",
+            "fast",
+            '"fast": what model selection reads (training envs\' out, test envs\' every '
+            'part, in-domain test parts); "all": every part of every env (DomainBed)',
+            OneOf(("fast", "all")),
+        ),
+        Field(
+            "eval_batch_size",
+            0,
+            "examples per evaluation batch; 0 = 128 per device on a CPU, 512 per GPU/TPU",
+            _integer(0),
+        ),
+        Field(
+            "eval_cache_gb",
+            40.0,
+            "evaluation inputs are kept on the accelerator up to this size (and half its "
+            "free memory), else in host memory (up to half the free RAM), else decoded again",
+            _number(">= 0"),
+        ),
         Field(
             "augment_validation",
             False,

@@ -58,12 +58,13 @@ NOT_HPARAMS = ("test_envs", "all_test_envs", "trial_seed", "seed", "hparams_seed
 # are not hyperparameters: where the data lives (the dataset's fingerprint says whether
 # it is the same data), where the decoded stores live and how large one may be
 # (image_store="auto" already picks store or streaming by the free disk, which no config
-# holds), how often the training loss is logged. hparams_seed leaves them out and a
+# holds), how much of the evaluation inputs is kept resident (the same batches either
+# way), how often the training loss is logged. hparams_seed leaves them out and a
 # relaunch may change them. Kept as hyperparameters: eval_batch_size, input, image_store,
 # compute_dtype (other pixels, or float sums in another order or precision) and
 # checkpoint (whether the run can resume). num_devices joins them where the perturbation
 # is global (result_free_keys).
-RESULT_FREE = ("data_dir", "cache_dir", "store_budget_gb", "log_every")
+RESULT_FREE = ("data_dir", "cache_dir", "store_budget_gb", "eval_cache_gb", "log_every")
 
 
 def result_free_keys(config_dict: dict) -> tuple[str, ...]:

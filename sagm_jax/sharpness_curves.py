@@ -24,12 +24,13 @@ import json
 import os
 import sys
 
+import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
 import sagm_jax.data
-from sagm_jax import rundir, train
+from sagm_jax import evaluation, rundir, train
 from sagm_jax.cli import quiet_tensorflow_import
 from sagm_jax.methods import method_label
 from sagm_jax.sharpness import sharpness
@@ -94,7 +95,7 @@ def run_sharpness(workdir: str, rhos, checkpoint: str = "latest") -> list[dict]:
     entries = []
     for env in config.test_envs:
         result = sharpness(
-            loss_fn, variables["params"], TargetDomain(dataset, env, config.eval_batch_size), rhos
+            loss_fn, variables["params"], TargetDomain(dataset, env, evaluation.batch_size(config, 1, jax.default_backend())), rhos
         )
         entries.append(
             {
