@@ -22,6 +22,15 @@ training domain x 3).
   the same step on one constant batch already on the device, in alternating
   chunks. Input-bound fraction = loop steps/s / constant-batch steps/s. Also: seconds
   per evaluation pass over every split of the folder (``evaluation.Evaluator``).
+- ``eval``: the evaluator against the forward pass. The same PACS-like folder, every
+  split part evaluated (``eval_splits="all"``) with the run's evaluator
+  (``evaluation.Evaluator``, ``--loop_dtype``, its default batch): images/s of the first
+  evaluation (reads the store, keeps the inputs), of later ones with the inputs kept
+  resident, and of later ones with nothing kept (read from the store each time), against
+  the forward-only images/s of the same model on one constant batch of the same size
+  already on the device (normalisation + ``apply_model``), timed in alternating rounds.
+  Ratio = resident evaluation images/s / forward-only images/s (goal >= 0.9); padding
+  rows count as cost, not as images.
 """
 
 from __future__ import annotations
@@ -186,7 +195,96 @@ def section_loop(args, report):
     }
 
 
-SECTIONS = {"steps": section_steps, "augment": section_augment, "loop": section_loop}
+def section_eval(args, report):
+    from sagm_jax import cli, evaluation, train
+    from sagm_jax.train_step import apply_model
+
+    tmp = tempfile.mkdtemp(prefix="device_report_eval_")
+    folder = os.path.join(tmp, "data")
+    bench_input.write_tree(folder, 227, 227, args.images_per_class)
+    config = cli.load_config_file(os.path.join(REPO, "configs", "pacs.py"))
+    config.update(
+        dataset="ImageFolder",
+        data_dir=folder,
+        pretrained_weights="none",
+        arch=args.arch,
+        image_size=args.image_size,
+        compute_dtype=args.loop_dtype,
+        cache_dir=os.path.join(tmp, "cache"),
+        test_envs=(3,),
+        eval_splits="all",
+    )
+    program = train.setup(config)
+    state, evaluator, dataset = program.state, program.evaluator, program.dataset
+    images = sum(len(dataset.splits[e][p]) for e, p in evaluator.parts)
+    batch = evaluator.batch_size
+    print(f"\n## Evaluation against the forward pass: {args.arch} {args.image_size}x"
+          f"{args.image_size}, {args.loop_dtype}, batch {batch}, {images} images a pass")
+    start = time.perf_counter()
+    evaluator(state)  # compiles, reads the store, keeps the inputs
+    first = time.perf_counter() - start
+    kept = {k: v / 2**20 for k, v in evaluator.kept_bytes.items()}
+    budgets = evaluation.residency_budgets
+    evaluation.residency_budgets = lambda config, device: {"device": 0, "host": 0}
+    try:
+        streamed = evaluation.Evaluator(
+            program.model, dataset, program.mesh, config, program.train_envs
+        )
+        streamed(state)  # compiles
+    finally:
+        evaluation.residency_budgets = budgets
+    host = next(dataset.eval_iterator(0, "in", batch_size=batch))
+    constant = jax.device_put({"image": host["image"][:batch]})
+    while constant["image"].shape[0] < batch:  # a part smaller than the batch: repeat it
+        constant = {"image": jnp.concatenate([constant["image"]] * 2)[:batch]}
+    dtype = jnp.dtype(config.compute_dtype)
+
+    @jax.jit
+    def forward(params, batch_stats, images):
+        inputs = device_augment.model_inputs({"image": images}, 0, 0, args.image_size)
+        return apply_model(program.model, params, batch_stats, inputs["image"], dtype)
+
+    n_batches = -(-images // batch)
+    forward(state.params, state.batch_stats, constant["image"]).block_until_ready()
+    times = {"resident": 0.0, "streamed": 0.0, "forward": 0.0}
+    for _ in range(args.rounds):
+        for name, run in (("resident", evaluator), ("streamed", streamed)):
+            start = time.perf_counter()
+            run(state)
+            times[name] += time.perf_counter() - start
+        start = time.perf_counter()
+        for _ in range(n_batches):
+            out = forward(state.params, state.batch_stats, constant["image"])
+        out.block_until_ready()
+        times["forward"] += time.perf_counter() - start
+    rates = {k: args.rounds * images / t for k, t in times.items()}
+    rates["forward"] = args.rounds * n_batches * batch / times["forward"]
+    ratio = rates["resident"] / rates["forward"]
+    print("| pass | images/s |\n|---|---|")
+    print(f"| first evaluation (compile, read the store, keep) | {images / first:,.0f} |")
+    print(f"| evaluation, inputs kept ({kept['device']:.0f} MiB on the device, "
+          f"{kept['host']:.0f} MiB in host memory) | {rates['resident']:,.0f} |")
+    print(f"| evaluation, inputs read from the store each time | {rates['streamed']:,.0f} |")
+    print(f"| forward only, one constant batch of {batch} on the device "
+          f"| {rates['forward']:,.0f} |")
+    print(f"evaluation / forward-only images/s: {ratio:.3f} (goal >= 0.9)")
+    report["eval"] = {
+        "images": images,
+        "batch": batch,
+        "dtype": args.loop_dtype,
+        "first_s": first,
+        "kept_mib": kept,
+        "images_per_s": rates,
+        "ratio_resident_to_forward": ratio,
+    }
+
+
+SECTIONS = {
+    "steps": section_steps,
+    "augment": section_augment,
+    "loop": section_loop,
+    "eval": section_eval,
+}
 
 
 def main():

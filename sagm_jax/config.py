@@ -335,8 +335,10 @@ FIELDS: dict[str, tuple[Field, ...]] = {
         Field(
             "image_store",
             "auto",
-            '"cache" (decoded store on disk), "stream" (decode per use), "auto"',
-            OneOf(("auto", "cache", "stream")),
+            '"cache" (decoded store on disk), "compressed" (JPEG store on disk, decoded per '
+            'use), "stream" (decode the files per use), "auto" (decoded, else compressed, '
+            "within store_budget_gb; else stream)",
+            OneOf(("auto", "cache", "compressed", "stream")),
         ),
         Field(
             "store_short_side",

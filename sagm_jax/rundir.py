@@ -65,6 +65,14 @@ NOT_HPARAMS = ("test_envs", "all_test_envs", "trial_seed", "seed", "hparams_seed
 # checkpoint (whether the run can resume). num_devices joins them where the perturbation
 # is global (result_free_keys).
 RESULT_FREE = ("data_dir", "cache_dir", "store_budget_gb", "eval_cache_gb", "log_every")
+# Not result-free: eval_splits (which split parts each record holds). A relaunch that
+# changes it is refused like any other change: the run's records would hold two kinds of
+# record, and a finished run's results.jsonl would not be what its config says.
+
+# Config fields added after runs were written: a config.json without the key ran as this
+# value says (before eval_splits existed, every part of every environment was evaluated),
+# so a relaunch of such a run with that value is the same run.
+ABSENT_MEANS = {"eval_splits": "all"}
 
 
 def result_free_keys(config_dict: dict) -> tuple[str, ...]:
@@ -316,13 +324,14 @@ def read_config(workdir: str) -> dict:
 def config_differences(workdir: str, config_dict: dict) -> list[str]:
     """The keys whose values differ between ``config_dict`` and ``workdir/config.json``
     (``[]`` when the directory holds no config yet), but for the settings that do not
-    change the result (``result_free_keys`` of either)."""
+    change the result (``result_free_keys`` of either); a key that either lacks counts
+    as its :data:`ABSENT_MEANS` value."""
     path = os.path.join(workdir, CONFIG)
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        previous = json.load(f)
-    current = json.loads(json.dumps(config_dict, default=str))
+        previous = {**ABSENT_MEANS, **json.load(f)}
+    current = {**ABSENT_MEANS, **json.loads(json.dumps(config_dict, default=str))}
     free = set(result_free_keys(previous)) & set(result_free_keys(current))
     keys = (set(previous) | set(current)) - free
     return sorted(k for k in keys if previous.get(k) != current.get(k))
@@ -340,10 +349,17 @@ class RunDir:
         """Raises if the directory holds a run with another config."""
         changed = config_differences(self.workdir, config_dict)
         if changed:
+            hint = ""
+            if "eval_splits" in changed:
+                recorded = {**ABSENT_MEANS, **read_config(self.workdir)}["eval_splits"]
+                hint = (
+                    f" Its records hold the parts of eval_splits={recorded!r}; to go on "
+                    f"with it, relaunch with --config.eval_splits={recorded}."
+                )
             raise ValueError(
                 f"{os.path.join(self.workdir, CONFIG)} holds a run with a different config "
                 f"(keys {changed} differ); resuming it would mix two runs. Use another "
-                "--workdir, or delete that directory."
+                "--workdir, or delete that directory." + hint
             )
 
     @property

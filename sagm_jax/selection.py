@@ -1,6 +1,13 @@
 """Model selection: pure functions from evaluation records to the chosen checkpoint.
 
-A record is one line of results.jsonl: ``step`` and ``env{i}_{part}_acc``.
+A record is one line of results.jsonl: ``step`` and ``env{i}_{part}_acc``. Every rule
+reads only what ``config.eval_splits="fast"`` evaluates (``evaluation.evaluated_parts``):
+the training environments' ``out`` (and, in-domain, ``test``) parts and every part of
+the test environments; a pair run's validation environment is one of its test
+environments. None reads a training environment's ``in`` part, so fast records (which
+lack those keys) and all-split records select the same checkpoints with the same
+numbers. A key a rule needs and a record lacks is an error naming it (:func:`accuracy`),
+never a mean over fewer parts.
 :func:`validation_accuracy` is the one definition of training-domain validation (the
 training loop ranks checkpoints by it); :func:`training_domain_validation` picks the
 checkpoint of one run by it; the ``*_run`` functions and :func:`sweep_selection`
@@ -14,10 +21,27 @@ from __future__ import annotations
 import numpy as np
 
 
+def accuracy(record: dict, env: int, part: str) -> float:
+    """``record["env{env}_{part}_acc"]``, or a ValueError naming the key and the step."""
+    key = f"env{env}_{part}_acc"
+    if key not in record:
+        fast = record.get("config", {}).get("eval_splits") == "fast"
+        raise ValueError(
+            f"The record of step {record.get('step')} has no {key}"
+            + (
+                " (config.eval_splits=fast evaluates no training environment's 'in' part)"
+                if fast and part == "in"
+                else ""
+            )
+            + "; model selection needs it."
+        )
+    return record[key]
+
+
 def validation_accuracy(record: dict, train_envs) -> float:
     """Training-domain validation of one record: the mean 'out' accuracy of the training
     environments ``train_envs``."""
-    return float(np.mean([record[f"env{e}_out_acc"] for e in train_envs]))
+    return float(np.mean([accuracy(record, e, "out") for e in train_envs]))
 
 
 def training_domain_validation(records: list[dict], test_envs) -> dict:
@@ -76,7 +100,7 @@ def training_domain_run(runs: dict, test_env: int) -> dict | None:
     return {
         "step": chosen["step"],
         "val_acc": chosen["validation_acc"],
-        "test_acc": chosen[f"env{test_env}_in_acc"],
+        "test_acc": accuracy(chosen, test_env, "in"),
     }
 
 
@@ -89,8 +113,12 @@ def in_domain_run(runs: dict, test_env: int) -> dict | None:
     if not records:
         return None
     chosen = training_domain_validation(records, [test_env])
-    test_keys = [k for k in chosen if k.endswith("_test_acc") and k != f"env{test_env}_test_acc"]
-    if not test_keys:
+    train_envs = [
+        int(k[3:].split("_")[0])
+        for k in chosen
+        if k.startswith("env") and k.endswith("_out_acc") and k != f"env{test_env}_out_acc"
+    ]
+    if not any(f"env{e}_test_acc" in chosen for e in train_envs):
         raise ValueError(
             "in_domain_run: records have no env{i}_test_acc; they are not from a "
             'split="in_domain" run.'
@@ -98,7 +126,7 @@ def in_domain_run(runs: dict, test_env: int) -> dict | None:
     return {
         "step": chosen["step"],
         "val_acc": chosen["validation_acc"],
-        "test_acc": float(np.mean([chosen[k] for k in test_keys])),
+        "test_acc": float(np.mean([accuracy(chosen, e, "test") for e in sorted(train_envs)])),
     }
 
 
@@ -111,8 +139,8 @@ def oracle_last_run(runs: dict, test_env: int) -> dict | None:
     last = max(records, key=lambda r: r["step"])
     return {
         "step": last["step"],
-        "val_acc": last[f"env{test_env}_out_acc"],
-        "test_acc": last[f"env{test_env}_in_acc"],
+        "val_acc": accuracy(last, test_env, "out"),
+        "test_acc": accuracy(last, test_env, "in"),
     }
 
 
@@ -122,12 +150,12 @@ def oracle_best_run(runs: dict, test_env: int) -> dict | None:
     records = runs.get((test_env,))
     if not records:
         return None
-    scores = [r[f"env{test_env}_out_acc"] for r in records]
+    scores = [accuracy(r, test_env, "out") for r in records]
     chosen = records[int(np.argmax(scores))]
     return {
         "step": chosen["step"],
         "val_acc": max(scores),
-        "test_acc": chosen[f"env{test_env}_in_acc"],
+        "test_acc": accuracy(chosen, test_env, "in"),
     }
 
 
@@ -143,7 +171,8 @@ def leave_one_out_run(runs: dict, test_env: int) -> dict | None:
         test_acc(s) = acc(run (t,), step s, env{t}_in)
 
     The step with the highest ``val_acc`` is chosen (earliest on a tie). The validation
-    environment's ``in`` split (80%) is used, as in DomainBed.
+    environment's ``in`` split (80%) is used, as in DomainBed: a test environment of the
+    pair run, so ``eval_splits="fast"`` evaluates it.
     """
     single = runs.get((test_env,))
     if not single:
@@ -159,12 +188,12 @@ def leave_one_out_run(runs: dict, test_env: int) -> dict | None:
         step = record["step"]
         if any(step not in pair for pair in by_step.values()):
             continue
-        val_acc = sum(pair[step][f"env{v}_in_acc"] for v, pair in by_step.items()) / (n_envs - 1)
+        val_acc = sum(accuracy(pair[step], v, "in") for v, pair in by_step.items()) / (n_envs - 1)
         if best is None or val_acc > best["val_acc"]:
             best = {
                 "step": step,
                 "val_acc": float(val_acc),
-                "test_acc": record[f"env{test_env}_in_acc"],
+                "test_acc": accuracy(record, test_env, "in"),
             }
     return best
 

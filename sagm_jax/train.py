@@ -455,13 +455,15 @@ def _metric_writer(workdir: str, is_main: bool):
 def print_summary(records: list[dict], test_envs, env_names=None, swad_record=None) -> None:
     """The step chosen by training-domain validation and its accuracy (%) per environment
     and split part, as the result tables show accuracies; with ``swad_record``, the SWAD
-    model's beside them."""
+    model's beside them. A part the records do not hold (the training environments' 'in'
+    parts with ``config.eval_splits="fast"``, which evaluates only what model selection
+    reads) shows "-", and a line below the table says why."""
     if not records:
         print("No evaluation records.")
         return
     chosen = training_domain_validation(records, test_envs)
     envs = sorted({int(k[3:].split("_")[0]) for k in chosen if k.startswith("env")})
-    parts = [p for p in ("in", "out", "test") if f"env{envs[0]}_{p}_acc" in chosen]
+    parts = [p for p in ("in", "out", "test") if any(f"env{e}_{p}_acc" in chosen for e in envs)]
     # The index (what config.test_envs takes), then the name as the result tables show it.
     dataset = records[-1].get("args", {}).get("dataset")
     labels = {e: registry.env_label(dataset, e, env_names) for e in envs}
@@ -475,10 +477,19 @@ def print_summary(records: list[dict], test_envs, env_names=None, swad_record=No
     if swad_record is not None:
         columns += [(swad_record, p, f"SWAD {p} %") for p in parts]
     print("  " + "environment".ljust(width) + "".join(f"{c[2]:>11}" for c in columns))
+    missing = set()
     for e in envs:
         label = f"{names[e]} ({'test' if e in test_envs else 'train'})"
-        values = "".join(f"{100 * r[f'env{e}_{p}_acc']:>11.1f}" for r, p, _ in columns)
-        print("  " + label.ljust(width) + values)
+        cells = []
+        for r, p, _ in columns:
+            if f"env{e}_{p}_acc" in r:
+                cells.append(f"{100 * r[f'env{e}_{p}_acc']:>11.1f}")
+            else:
+                cells.append(f"{'-':>11}")
+                missing.add((e, p))
+        print("  " + label.ljust(width) + "".join(cells))
+    if missing:
+        print(_missing_parts_note(missing, envs, test_envs, records[-1]))
     tests = ", ".join(f"{names[e]} {100 * chosen[f'env{e}_in_acc']:.1f}%" for e in test_envs)
     print(f"Test accuracy ('in' split of the test environment): {tests}")
     if swad_record is not None:
@@ -488,6 +499,22 @@ def print_summary(records: list[dict], test_envs, env_names=None, swad_record=No
             f"SWAD test accuracy: {swad} (the mean of {info['segments']} segments, steps "
             f"{info['first_step']}-{info['last_step']})"
         )
+
+
+def _missing_parts_note(missing: set, envs, test_envs, record: dict) -> str:
+    """Why the summary shows "-": with ``eval_splits="fast"`` the training environments'
+    'in' parts are not evaluated; anything else (records without a config among them) is
+    named as not in the records."""
+    train_in = {(e, "in") for e in envs if e not in test_envs}
+    eval_splits = record.get("config", {}).get("eval_splits")
+    if missing <= train_in and eval_splits == "fast":
+        return (
+            "  - training environments' 'in' parts are not evaluated (config.eval_splits="
+            "fast: model selection does not read them; --config.eval_splits=all evaluates "
+            "every part)"
+        )
+    parts = ", ".join(f"env{e} '{p}'" for e, p in sorted(missing))
+    return f"  - not in the records: {parts}"
 
 
 def _test_accuracy_table(config, env_names, accuracies: dict) -> str:

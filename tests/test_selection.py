@@ -1,4 +1,6 @@
-"""sagm_jax.selection: each rule picks a known record from hand-written records.
+"""sagm_jax.selection: each rule picks a known record from hand-written records, and
+the same record from fast records (``eval_splits="fast"``: the all-split records without
+the training environments' 'in' keys) as from all-split ones.
 
 Three environments, test environment 0. Accuracies are binary fractions (exact in
 floating point), so the ties below are exact ties. Each set of records is written so
@@ -7,6 +9,7 @@ single run's own validation environment, the last step instead of the best) woul
 pick another record than the one asserted.
 """
 
+import numpy as np
 import pytest
 
 from sagm_jax import selection
@@ -176,3 +179,90 @@ def test_rank_settings_keeps_the_callers_order_of_ties_and_drops_the_unscorable(
 
 def test_every_rule_has_a_name_for_the_tables():
     assert set(selection.RUN_SELECTIONS) == set(selection.SELECTION_NAMES)
+
+
+# --- fast records (config.eval_splits="fast") ------------------------------------------
+
+
+def fast(records, test_envs):
+    """The records as ``eval_splits="fast"`` writes them, by the rule written out here
+    (SWAD's evaluator's): without the 'in' accuracy and loss of every environment that is
+    not one of the run's ``test_envs``."""
+    dropped = {
+        f"env{e}_in_{what}" for e in range(4) if e not in test_envs for what in ("acc", "loss")
+    }
+    return [{k: v for k, v in r.items() if k not in dropped} for r in records]
+
+
+def random_settings(seed, split):
+    """Three settings of four environments, test environment 1: each a single run (1,)
+    and its pair runs (1, v), four evaluations each (one pair run misses a step).
+    Accuracies are multiples of 1/8, so validation accuracies tie often."""
+    rng = np.random.default_rng(seed)
+    parts = ("in", "out", "test") if split == "in_domain" else ("in", "out")
+
+    def run(n_steps=4):
+        records = []
+        for step in range(0, 100 * n_steps, 100):
+            r = {"step": step, "loss": 1.0}
+            for env in range(4):
+                for part in parts:
+                    r[f"env{env}_{part}_acc"] = int(rng.integers(0, 9)) / 8
+                    r[f"env{env}_{part}_loss"] = float(rng.uniform(0, 2))
+            records.append(r)
+        return records
+
+    settings = {}
+    for name in ("a", "b", "c"):
+        runs = {(1,): run()}
+        for v in (0, 2, 3):
+            runs[tuple(sorted((1, v)))] = run()
+        settings[name] = runs
+    settings["b"][(1, 3)] = settings["b"][(1, 3)][:3]
+    return settings
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("split", ["domainbed", "in_domain"])
+def test_every_rule_chooses_alike_from_fast_and_all_split_records(seed, split):
+    settings = random_settings(seed, split)
+    fast_settings = {
+        name: {envs: fast(records, envs) for envs, records in runs.items()}
+        for name, runs in settings.items()
+    }
+    single = settings["a"][(1,)]
+    assert "env0_in_acc" in single[0] and "env0_in_acc" not in fast_settings["a"][(1,)][0]
+    assert "env3_in_acc" in fast_settings["a"][(1, 3)][0]  # a pair run's validation env
+    rules = list(selection.RUN_SELECTIONS.values())
+    rules += [selection.in_domain_run] if split == "in_domain" else []
+    for rule in rules:
+        for name in settings:
+            expected = rule(settings[name], 1)
+            assert expected is not None
+            assert rule(fast_settings[name], 1) == expected, (rule.__name__, name)
+        assert selection.rank_settings(rule, fast_settings, 1) == selection.rank_settings(
+            rule, settings, 1
+        )
+    chosen = selection.training_domain_validation(single, [1])
+    dropped = {f"env{e}_in_acc" for e in (0, 2, 3)}
+    assert selection.training_domain_validation(fast(single, (1,)), [1]) == {
+        k: v for k, v in chosen.items() if k not in dropped
+    }
+
+
+def test_a_missing_accuracy_a_rule_needs_is_named_not_averaged_over():
+    settings = random_settings(0, "in_domain")["a"]
+    for envs in settings:
+        settings[envs] = fast(settings[envs], envs)
+    no_test_part = {
+        (1,): [{k: v for k, v in r.items() if k != "env2_test_acc"} for r in settings[(1,)]]
+    }
+    with pytest.raises(ValueError, match="no env2_test_acc; model selection needs it"):
+        selection.in_domain_run(no_test_part, 1)
+    no_validation = dict(settings)
+    no_validation[(1, 3)] = fast(settings[(1, 3)], (1,))  # its env3 'in' dropped
+    no_validation[(1, 3)][0]["config"] = {"eval_splits": "fast"}
+    with pytest.raises(ValueError, match=r"step 0 has no env3_in_acc \(config.eval_splits=fast"):
+        selection.leave_one_out_run(no_validation, 1)
+    with pytest.raises(ValueError, match="no env1_in_acc"):
+        selection.oracle_last_run({(1,): fast(settings[(1,)], ())}, 1)

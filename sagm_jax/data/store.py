@@ -63,6 +63,7 @@ fine texture reduced exactly 2x, by 3.1 on average, 36 at most
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import ctypes
 import ctypes.util
@@ -93,7 +94,7 @@ from sagm_jax.data.image_folder import BadImageError, cache_folder
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-MODES = ("auto", "cache", "stream")
+MODES = ("auto", "cache", "compressed", "stream")
 MANIFEST = "manifest.json"
 PIXELS, EVAL, SHAPES, OFFSETS = "pixels.u8", "eval.u8", "shapes.npy", "offsets.npy"
 _CRC_CHUNK = 16 << 20
@@ -140,10 +141,14 @@ def _flat_paths(index) -> list[str]:
     return [p for env in index.paths for p in env]
 
 
-def store_key(root: str, paths: list[str], image_size: int, short_side: int) -> str:
-    digest = hashlib.sha256(
-        f"sagm_jax image store v{FORMAT_VERSION}\0{image_size}\0{short_side}\n".encode()
-    )
+def store_key(
+    root: str, paths: list[str], image_size: int, short_side: int, kind: str = ""
+) -> str:
+    """SHA-256 over the store kind and version (``kind``: '' is this decoded store's
+    ``image store v1``; another kind of store names its own, so the two never share a key),
+    the sizes and every file's (relative path, size, mtime_ns)."""
+    kind = kind or f"image store v{FORMAT_VERSION}"
+    digest = hashlib.sha256(f"sagm_jax {kind}\0{image_size}\0{short_side}\n".encode())
     for path in paths:
         st = os.stat(path)
         rel = os.path.relpath(path, root).replace(os.sep, "/")
@@ -261,8 +266,11 @@ def _decode_chunk(job) -> int:
 
 
 # ---- the store ---------------------------------------------------------------------
-def _read_manifest(path: str, *, key: str | None, num_images: int | None) -> dict:
-    """The store's manifest, checked against the expected format, key and image count."""
+def _read_manifest(
+    path: str, *, key: str | None, num_images: int | None, format=FORMAT_VERSION
+) -> dict:
+    """The store's manifest, checked against the expected format (this store's version, or
+    another kind's ``format``), key and image count."""
     manifest_path = os.path.join(path, MANIFEST)
     try:
         with open(manifest_path) as f:
@@ -271,7 +279,7 @@ def _read_manifest(path: str, *, key: str | None, num_images: int | None) -> dic
         raise StoreError(f"no {MANIFEST} (the build did not finish, or it was removed)")
     except (OSError, ValueError) as e:
         raise StoreError(f"{manifest_path} is unreadable ({type(e).__name__}: {e})")
-    expected = {"format": FORMAT_VERSION, "key": key, "num_images": num_images}
+    expected = {"format": format, "key": key, "num_images": num_images}
     for name, want in expected.items():
         if want is not None and manifest.get(name) != want:
             raise StoreError(f"{MANIFEST} has {name}={manifest.get(name)!r}, expected {want!r}")
@@ -481,8 +489,18 @@ def _discard(path: str) -> None:
     shutil.rmtree(gone, ignore_errors=True)
 
 
-def _warn_stale(stores_dir: str, root: str, key: str, image_size: int, short_side: int):
-    """Log the stores of the same dataset folder that its files no longer match."""
+def _warn_stale(
+    stores_dir: str,
+    root: str,
+    key: str,
+    image_size: int,
+    short_side: int,
+    *,
+    format=FORMAT_VERSION,
+    kind: str = "decoded store",
+):
+    """Log the stores of the same dataset folder and ``format`` (a kind of store) that its files
+    no longer match."""
     root = os.path.realpath(root)
     for name in sorted(os.listdir(stores_dir)):
         try:
@@ -492,16 +510,18 @@ def _warn_stale(stores_dir: str, root: str, key: str, image_size: int, short_sid
             continue
         if (
             manifest.get("root") == root
+            and manifest.get("format") == format
             and manifest.get("key") != key
             and manifest.get("image_size") == image_size
             and manifest.get("short_side") == short_side
         ):
             size_gb = sum(f["bytes"] for f in manifest["files"].values()) / 2**30
             log.warning(
-                "The files under %s changed since the decoded store %s was built (file list, "
+                "The files under %s changed since the %s %s was built (file list, "
                 "sizes or modification times differ), so a new store is built. The old one "
                 "(%.2f GiB) is not used any more: delete it to free the space.",
                 root,
+                kind,
                 os.path.join(stores_dir, name),
                 size_gb,
             )
@@ -638,13 +658,20 @@ def _allocate(tmp: str, shapes, offsets, eval_bytes: int) -> tuple[str, str]:
     return pixels_path, eval_path
 
 
-def _run_decode_jobs(jobs: list, workers: int, n: int, *, progress: bool) -> None:
-    """Run ``_decode_chunk`` on every job, here or in spawned worker processes, with a bar."""
+def _run_decode_jobs(
+    jobs: list, workers: int, n: int, *, progress: bool, decode=None, consume=None
+) -> None:
+    """Run ``decode`` (default ``_decode_chunk``, which returns its image count) on every job,
+    here or in spawned worker processes, with a bar. With ``consume``, each result is passed to
+    ``consume`` IN JOB ORDER (it returns the image count), at most ``4 * workers`` jobs ahead of
+    the oldest unconsumed one, so results wait in memory for a few jobs at most."""
+    decode = decode or _decode_chunk
     bar = tqdm(total=n, desc=f"Decoding {n:,} images once", unit="img", disable=not progress)
     with bar:
         if workers == 1 or len(jobs) == 1:
             for job in jobs:
-                bar.update(_decode_chunk(job))
+                result = decode(job)
+                bar.update(consume(result) if consume else result)
             return
         context = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(
@@ -653,10 +680,13 @@ def _run_decode_jobs(jobs: list, workers: int, n: int, *, progress: bool) -> Non
             initializer=_die_with_parent,
             initargs=(os.getpid(),),
         ) as pool:
-            futures = [pool.submit(_decode_chunk, job) for job in jobs]
             try:
-                for future in concurrent.futures.as_completed(futures):
-                    bar.update(future.result())
+                if consume is None:
+                    futures = [pool.submit(decode, job) for job in jobs]
+                    for future in concurrent.futures.as_completed(futures):
+                        bar.update(future.result())
+                else:
+                    _consume_in_order(pool, decode, jobs, 4 * workers, consume, bar)
             except concurrent.futures.process.BrokenProcessPool as e:
                 raise RuntimeError(
                     "A decoding worker process died: out of memory, or the main script "
@@ -669,14 +699,41 @@ def _run_decode_jobs(jobs: list, workers: int, n: int, *, progress: bool) -> Non
                 raise
 
 
-def _write_manifest(tmp, key, n, image_size, short_side, shapes, root, start) -> dict:
-    """Checksum the data files and write the manifest (last: it marks the store complete)."""
+def _consume_in_order(pool, decode, jobs, window: int, consume, bar) -> None:
+    """Submit ``decode(job)`` with at most ``window`` jobs in flight; consume results in order."""
+    pending = collections.deque()
+    todo = iter(jobs)
+    for job in itertools.islice(todo, window):
+        pending.append(pool.submit(decode, job))
+    while pending:
+        result = pending.popleft().result()
+        for job in itertools.islice(todo, 1):
+            pending.append(pool.submit(decode, job))
+        bar.update(consume(result))
+
+
+def _write_manifest(
+    tmp,
+    key,
+    n,
+    image_size,
+    short_side,
+    shapes,
+    root,
+    start,
+    *,
+    names=(PIXELS, EVAL, SHAPES, OFFSETS),
+    format=FORMAT_VERSION,
+    extra=None,
+) -> dict:
+    """Checksum the data files ``names`` and write the manifest (last: it marks the store
+    complete); ``format`` names the kind of store, ``extra`` adds fields."""
     files = {}
-    for name in (PIXELS, EVAL, SHAPES, OFFSETS):
+    for name in names:
         file_path = os.path.join(tmp, name)
         files[name] = {"bytes": os.path.getsize(file_path), "crc32": crc32_file(file_path)}
     manifest = {
-        "format": FORMAT_VERSION,
+        "format": format,
         "key": key,
         "num_images": n,
         "image_size": image_size,
@@ -686,19 +743,22 @@ def _write_manifest(tmp, key, n, image_size, short_side, shapes, root, start) ->
         "files": files,
         "build_seconds": round(time.perf_counter() - start, 3),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        **(extra or {}),
     }
     with open(os.path.join(tmp, MANIFEST), "w") as f:  # last: marks the store complete
         json.dump(manifest, f, indent=1)
     return manifest
 
 
-def _rename_into_place(tmp: str, final: str, key: str, n: int) -> ImageStore | None:
-    """Rename ``tmp`` to ``final``; if another process placed a usable store first, return it."""
+def _rename_into_place(tmp: str, final: str, key: str, n: int, opener=None):
+    """Rename ``tmp`` to ``final``; if another process placed a usable store first, return it
+    (opened with ``opener(path, key=, num_images=)``, default ``ImageStore.open``)."""
+    opener = opener or ImageStore.open
     try:
         os.rename(tmp, final)
     except OSError:  # another process placed its store first
         try:
-            theirs = ImageStore.open(final, key=key, num_images=n)
+            theirs = opener(final, key=key, num_images=n)
             log.info("Another process built %s first; using it.", final)
             return theirs
         except StoreError as e:
@@ -718,19 +778,33 @@ def open_source(
     cache_dir: str | None = None,
     workers: int | None = None,
     progress: bool = True,
-) -> ImageStore | StreamingSource:
-    """mode 'cache': build (or reuse) the store; 'stream': StreamingSource; 'auto': the store unless
-    its estimated size (from the images' header sizes, stored shapes, plus the eval images) exceeds
-    budget_gb GiB, then streaming. cache_dir: the cache root (None: the default,
-    ``image_folder.cache_folder``), under a 'stores' sub-folder.
+):
+    """The images of the folder ``index`` as an ``ImageStore``, a ``jpeg_store.CompressedStore``
+    or a ``StreamingSource`` (one interface: ``gather``, ``eval_images``, ``len``, ``close``).
 
-    'auto' also streams when the disk has too little free space for the store ('cache' then
-    raises), and uses a valid existing store whatever its size. workers: decoding processes of
-    a build (None = the usable CPU cores; 1 = decode in this process)."""
+    mode 'cache': build (or reuse) the decoded store; 'compressed': build (or reuse) the
+    compressed store (``jpeg_store``); 'stream': StreamingSource; 'auto': in this order,
+
+    1. a valid existing decoded store, whatever its size;
+    2. the decoded store, if its estimated size (from the images' header sizes, stored
+       shapes, plus the eval images: ``estimate_store_bytes``) fits ``budget_gb`` GiB and
+       the free disk;
+    3. else the compressed store (an existing one, or built) if its estimate
+       (``jpeg_store.estimate_bytes``: measured bytes per stored pixel) fits both too;
+    4. else streaming.
+
+    Each choice is logged with the sizes behind it. The compressed store is held to the
+    same budget as the decoded one: ``budget_gb`` is what a store may take on disk.
+    'cache' and 'compressed' raise OSError when the disk has too little free space.
+    cache_dir: the cache root (None: the default, ``image_folder.cache_folder``), under a
+    'stores' sub-folder. workers: decoding processes of a build (None = the usable CPU
+    cores; 1 = decode in this process)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if image_size < 1 or short_side < 1:
         raise ValueError(f"image_size and short_side must be >= 1, got {image_size}, {short_side}")
+    from sagm_jax.data import jpeg_store  # it builds on this module
+
     paths = _flat_paths(index)
     if mode == "stream":
         sizes = read_sizes(paths, progress=progress)
@@ -738,6 +812,9 @@ def open_source(
 
     stores_dir = cache_folder("stores", cache_dir)
     os.makedirs(stores_dir, exist_ok=True)
+    options = dict(image_size=image_size, short_side=short_side, workers=workers)
+    if mode == "compressed":
+        return jpeg_store.open_store(index, stores_dir=stores_dir, progress=progress, **options)
     key = store_key(index.root, paths, image_size, short_side)
     final = os.path.join(stores_dir, key)
     reused = _open_existing(stores_dir, final, index.root, key, len(paths), image_size, short_side)
@@ -747,6 +824,28 @@ def open_source(
     sizes = read_sizes(paths, progress=progress)
     need = estimate_store_bytes(sizes, image_size, short_side)
     if _too_big_to_store(index.root, stores_dir, need, mode=mode, budget_gb=budget_gb):
+        compressed = jpeg_store.estimate_bytes(sizes, image_size, short_side)
+        free = shutil.disk_usage(stores_dir).free
+        if compressed <= min(budget_gb * 2**30, free):
+            log.info(
+                "Using the compressed store for %s: it is estimated at %.1f GiB (%.2f bytes "
+                "per stored pixel), within the budget and the free space.",
+                index.root,
+                compressed / 2**30,
+                jpeg_store.BYTES_PER_PIXEL,
+            )
+            return jpeg_store.open_store(
+                index, sizes=sizes, stores_dir=stores_dir, progress=progress, **options
+            )
+        log.info(
+            "Streaming %s: the compressed store would take about %.1f GiB too (budget %.1f "
+            "GiB, %.1f GiB free in %s).",
+            index.root,
+            compressed / 2**30,
+            budget_gb,
+            free / 2**30,
+            stores_dir,
+        )
         return StreamingSource(paths, sizes, image_size=image_size, short_side=short_side)
     log.info("Decoding %d images of %s once into %s.", len(paths), index.root, final)
     return _build(
@@ -762,26 +861,40 @@ def open_source(
     )
 
 
-def _open_existing(stores_dir, final, root, key, n, image_size, short_side) -> ImageStore | None:
-    """The valid store at ``final``, or None (a bad one is discarded; stale ones are logged)."""
+def _open_existing(
+    stores_dir,
+    final,
+    root,
+    key,
+    n,
+    image_size,
+    short_side,
+    *,
+    opener=None,
+    format=FORMAT_VERSION,
+    kind: str = "decoded store",
+):
+    """The valid store at ``final`` (opened with ``opener``, default ``ImageStore.open``), or
+    None (a bad one is discarded; stale ones of the same ``format`` are logged)."""
+    opener = opener or ImageStore.open
     if os.path.exists(final):
         try:
-            return ImageStore.open(final, key=key, num_images=n)
+            return opener(final, key=key, num_images=n)
         except StoreError as e:
-            log.warning("The decoded store %s is unusable: %s. Rebuilding it.", final, e)
+            log.warning("The %s %s is unusable: %s. Rebuilding it.", kind, final, e)
             _discard(final)
     else:
-        _warn_stale(stores_dir, root, key, image_size, short_side)
+        _warn_stale(stores_dir, root, key, image_size, short_side, format=format, kind=kind)
     return None
 
 
 def _too_big_to_store(root, stores_dir, need: int, *, mode: str, budget_gb: float) -> bool:
-    """Whether 'auto' streams (logged) instead of storing ``need`` bytes; OSError if no room."""
+    """Whether 'auto' passes over (logged) a decoded store of ``need`` bytes; OSError if no room."""
     free = shutil.disk_usage(stores_dir).free
     if mode == "auto" and (need > budget_gb * 2**30 or need > free):
         log.info(
-            "Streaming %s: a decoded store would take %.1f GiB (budget %.1f GiB, %.1f GiB free "
-            "in %s).",
+            "Not decoding %s into a store: it would take %.1f GiB (budget %.1f GiB, %.1f GiB "
+            "free in %s).",
             root,
             need / 2**30,
             budget_gb,

@@ -170,10 +170,24 @@ def test_standard_error_is_domainbeds_population_std_over_sqrt_n():
 # --- the report of a synthetic sweep ---------------------------------------------
 
 
-def write_sweep(root):
+def fast_record(record: dict, test_envs) -> dict:
+    """An all-split record as ``eval_splits="fast"`` writes it, by the rule written out
+    here (SWAD's evaluator's): no 'in' accuracy or loss of a training environment."""
+    dropped = {
+        f"env{e}_in_{what}" for e in range(4) if e not in test_envs for what in ("acc", "loss")
+    }
+    return {k: v for k, v in record.items() if k not in dropped}
+
+
+def write_sweep(root, eval_splits="all"):
+    """The golden sweep's runs under ``root``; with ``eval_splits="fast"`` their records
+    lack what fast mode does not evaluate (:func:`fast_record`)."""
     with open(os.path.join(HERE, "golden_records.json")) as f:
         runs = json.load(f)
     for run in runs:
+        if eval_splits == "fast":
+            run["config"] = {**run["config"], "eval_splits": "fast"}
+            run["records"] = [fast_record(r, run["config"]["test_envs"]) for r in run["records"]]
         folder = os.path.join(root, run["path"])
         os.makedirs(folder)
         config = run["config"]
@@ -221,6 +235,31 @@ def test_report_matches_golden(sweep_dir, selection_name, latex):
         with open(path, "w") as f:
             f.write(report)
     with open(path) as f:
+        assert report == f.read()
+
+
+@pytest.fixture(scope="module")
+def fast_sweep_dir(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("fast_sweep"))
+    write_sweep(root, eval_splits="fast")
+    return root
+
+
+@pytest.mark.parametrize("selection_name,latex", sorted(GOLDEN))
+def test_fast_records_give_the_golden_report_of_the_all_split_records(
+    fast_sweep_dir, selection_name, latex
+):
+    """The same sweep written as ``eval_splits="fast"`` records (the training
+    environments' 'in' keys dropped): every selection chooses the same checkpoints and
+    settings, so the report is the all-split records' golden file, to the character."""
+    run = os.path.join(fast_sweep_dir, "PACS", "PACS_domainbed_erm_t0_s0_lr1e-05")
+    with open(os.path.join(run, "results.jsonl")) as f:
+        first = json.loads(f.readline())
+    assert first["config"]["eval_splits"] == "fast"
+    assert "env0_in_acc" in first and "env1_in_acc" not in first and "env1_out_acc" in first
+    report = collect_results.build_report(fast_sweep_dir, selection_name, latex)
+    report = report.replace(fast_sweep_dir, "SWEEP_DIR")
+    with open(os.path.join(HERE, GOLDEN[selection_name, latex])) as f:
         assert report == f.read()
 
 

@@ -8,6 +8,8 @@ leave-one-domain-out needs; three evaluations per run, random accuracies; the SW
 records' steps differ between the runs of a setting (valleys end apart). In one cell two
 settings have the same records (a tie: DomainBed ranks the larger hparams_seed first).
 An unfinished run with far better accuracies and a SWAD record must change nothing.
+Every test runs on the sweep written twice: with every split part, and as
+``eval_splits="fast"`` records (no training environment's 'in' accuracy).
 
 Every expected value is restated in this file from the records it wrote, with NumPy:
 training-domain validation (mean training-environment ``out`` accuracy, earliest best
@@ -101,7 +103,22 @@ def write_record(record, config, folder, h):
     return {**record, "args": args, "hparams": {"lr": config.get("lr")}, "config": config}
 
 
-def write_run(folder, spec):
+def fast(record, test_envs):
+    """The record as ``eval_splits="fast"`` writes it (the rule written out here, SWAD's
+    evaluator's): without the 'in' accuracy of the training environments."""
+    dropped = {f"env{e}_in_acc" for e in range(ENVS) if e not in test_envs}
+    return {k: v for k, v in record.items() if k not in dropped}
+
+
+def write_run(folder, spec, eval_splits="all"):
+    """The run's files; with ``eval_splits="fast"`` its records (and SWAD record) lack the
+    training environments' 'in' accuracies, as a fast-mode run writes them."""
+    if eval_splits == "fast":
+        envs = spec.config["test_envs"]
+        records = [fast(r, envs) for r in spec.records]
+        swad = None if spec.swad is None else fast(spec.swad, envs)
+        assert len(records[0]) == 1 + ENVS + len(envs)  # step, every 'out', the tests' 'in'
+        spec = spec._replace(records=records, swad=swad)
     folder.mkdir()
     records = [write_record(r, spec.config, folder, spec.hparams_seed) for r in spec.records]
     lines = [json.dumps(r) for r in records]
@@ -115,11 +132,13 @@ def write_run(folder, spec):
         (folder / "done").write_text("")
 
 
-@pytest.fixture(scope="module")
-def sweep_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("swad_sweep")
+@pytest.fixture(scope="module", params=["all", "fast"])
+def sweep_dir(tmp_path_factory, request):
+    """The sweep, its records written with every split part, then as fast records: every
+    test below (each expected value restated from the full records) holds for both."""
+    root = tmp_path_factory.mktemp(f"swad_sweep_{request.param}")
     for path, spec in RUNS.items():
-        write_run(root / path, spec)
+        write_run(root / path, spec, request.param)
     return str(root)
 
 

@@ -1,0 +1,420 @@
+"""The compressed image store: every image decoded ONCE, kept as JPEG bytes in a few large files.
+
+Owns the store for image folders whose decoded store (``store.py``) exceeds the disk
+budget (DomainNet: about 250-270 GiB decoded): ``CompressedStore`` has the interface of
+``store.ImageStore`` (``gather``, ``eval_images``, ``len``, ``close``), so
+``store.CanvasSource`` serves it unchanged, and ``store.open_source(mode="compressed")``
+(or ``"auto"``, when the decoded store is over budget) opens it. No TensorFlow here.
+
+What is stored, per image (flat id order, as ``FolderIndex.paths``):
+
+* the training image: the original decoded with torchvision's loader
+  (``Image.open(p).convert("RGB")``) and shrunk exactly as the decoded store does
+  (``store.stored_shape``, ``store.decode_file``), then re-encoded as JPEG at
+  ``QUALITY`` 95 without chroma subsampling (4:4:4). Where the original file is a JPEG
+  already within the bounded size AND its bytes decode (with this module's decoder) to
+  exactly PIL's decode of it, checked at build time, the original bytes are kept as they
+  are: those images are the reference's pixels exactly (``kept``).
+* the evaluation image: PIL's ``resize((S, S), BILINEAR)`` of the full-size decode (what
+  the decoded store keeps), re-encoded the same way.
+
+Measured on this project's 2-core build machine (``experiments/bench_decode.py``,
+``docs/bench_decode_cpu.txt``), decoding 320x427 stored JPEGs: simplejpeg 1,100-1,200
+images/s per core, PIL 750. Evaluation inputs: decoding the stored 224x224 JPEG runs
+about 2,500 images/s per core; making it from the stored training image at read time
+(decode 320x427, PIL resize to 224x224) about 380, below the ~940 per core that 16 cores
+need to evaluate at the forward-pass rate, and would also resize twice. So the evaluation
+image is stored (about 40% more bytes). Pixel difference from PIL's decode of the
+original file (photo-like 400-700 px JPEGs; mean / max over pixels and channels, grey
+levels): stored training image 1.2 / 18, stored evaluation image 1.4 / 18, evaluation
+made from the stored image 1.1 / 23 (``tests/data/test_jpeg_store.py`` bounds them).
+
+Decoder: ``simplejpeg`` (libjpeg-turbo in its wheel, no system library; it releases the
+GIL while decoding), in a thread pool of one thread per usable core. Chosen by
+measurement over PIL's full decode (same library, 35% slower: PIL's plug-in and mode
+conversion) and PIL's ``draft`` (which only helps when the stored image is at least twice
+the wanted size, never the case here). PyTurboJPEG needs a system ``libturbojpeg``,
+which the project does not depend on; NVIDIA DALI's nvJPEG is a GPU path, not measured
+(no GPU on the build machine).
+
+Layout of a store, ``<cache root>/stores/<key>/``: two streams of JPEG records,
+``train`` and ``eval``; each is a few shard files (``train-00000.jpgs``, ...) of about
+``SHARD_BYTES`` (1 GiB) holding whole records back to back, with ``<stream>_offsets.npy``
+(int64 [N+1]: record i is bytes ``offsets[i]:offsets[i+1]`` of the stream's shards
+concatenated) and ``<stream>_shards.npy`` (int64 [K+1]: shard k holds records
+``first[k]:first[k+1]``); ``shapes.npy`` (int32 [N, 2] stored (h, w)), ``kept.npy``
+(bool [N], original bytes kept) and ``manifest.json`` (written last; format
+``FORMAT``, each data file's byte size and CRC-32). ``key`` is ``store.store_key`` with
+this store's own kind string (``KIND``), so it never collides with a decoded store.
+
+Build and open reuse ``store.py``'s machinery: the atomic build in a temporary folder
+renamed into place (two concurrent builds: the first rename wins, the other uses it),
+spawned worker processes that die with their parent, orphaned build folders removed,
+the manifest's sizes and CRC-32 checked at every open (a stale or corrupt store is
+logged and rebuilt, never used). Workers decode and encode chunks of files; the
+building process appends their records to the shards in id order. Every batch is a
+function of the ids only (exact resume).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import os
+import shutil
+import tempfile
+import time
+
+import numpy as np
+import simplejpeg
+
+from sagm_jax.data import store
+from sagm_jax.data.image_folder import BadImageError
+from sagm_jax.data.store import StoreError
+
+log = store.log
+
+FORMAT = "jpeg store v1"
+KIND = "compressed image store v1"  # store_key's kind: never a decoded store's key
+QUALITY = 95
+SUBSAMPLING = "444"
+SHARD_BYTES = 1 << 30
+STREAMS = ("train", "eval")
+SHAPES, KEPT = "shapes.npy", "kept.npy"
+# Estimate of the store's bytes per stored pixel (training image plus S x S evaluation image),
+# for open_source's choice: measured 0.44 (training) and 0.54 (evaluation) bytes per pixel on
+# photo-like 400-700 px JPEGs at QUALITY 95, 4:4:4 (module doc); 0.6 leaves room for
+# busier content. Kept originals and line drawings take less.
+BYTES_PER_PIXEL = 0.6
+
+
+def estimate_bytes(sizes: np.ndarray, image_size: int, short_side: int) -> int:
+    """Estimated bytes of a compressed store for images of original ``sizes`` ([N, 2] (h, w)):
+    ``BYTES_PER_PIXEL`` times the stored pixels plus the evaluation pixels."""
+    pixels = store.estimate_store_bytes(sizes, image_size, short_side) / 3
+    return int(pixels * BYTES_PER_PIXEL)
+
+
+def decode(record) -> np.ndarray:
+    """uint8 [h, w, 3] of one stored JPEG record (bytes or a uint8 buffer), with simplejpeg's
+    accurate DCT and fancy upsampling (libjpeg's defaults, as PIL's)."""
+    return simplejpeg.decode_jpeg(record, colorspace="RGB")
+
+
+def encode(image: np.ndarray) -> bytes:
+    """The JPEG record of a uint8 [h, w, 3] image (``QUALITY``, ``SUBSAMPLING``)."""
+    return simplejpeg.encode_jpeg(
+        np.ascontiguousarray(image), quality=QUALITY, colorspace="RGB", colorsubsampling=SUBSAMPLING
+    )
+
+
+def _keepable(path: str, small: np.ndarray, size, stored) -> bytes | None:
+    """The original file's bytes if they can stand for ``small`` (PIL's decode, not resized):
+    a JPEG that ``decode`` turns into exactly ``small``; else None."""
+    if tuple(int(x) for x in size) != tuple(int(x) for x in stored):
+        return None
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:2] != b"\xff\xd8":  # not a JPEG
+        return None
+    try:
+        same = np.array_equal(decode(data), small)
+    except ValueError:  # simplejpeg cannot decode it (e.g. an unusual colour space)
+        return None
+    return data if same else None
+
+
+def _encode_chunk(job) -> tuple[int, list[bytes], list[bytes], list[bool]]:
+    """Decode files (PIL, as the decoded store) and make their records (a worker)."""
+    image_size, paths, sizes, shapes = job
+    train, evals, kept = [], [], []
+    for path, size, stored in zip(paths, sizes, shapes):
+        small, evaluation = store.decode_file(path, size, stored, image_size)
+        original = _keepable(path, small, size, stored)
+        train.append(original if original is not None else encode(small))
+        evals.append(encode(evaluation))
+        kept.append(original is not None)
+    return len(paths), train, evals, kept
+
+
+class _ShardWriter:
+    """Appends one stream's records to shard files of about ``shard_bytes``, in id order."""
+
+    def __init__(self, folder: str, stream: str, shard_bytes: int):
+        self.folder, self.stream, self.shard_bytes = folder, stream, shard_bytes
+        self.offsets, self.first = [0], []
+        self.names: list[str] = []
+        self._file = None
+        self._in_shard = 0
+
+    def add(self, record: bytes) -> None:
+        if self._file is None or self._in_shard >= self.shard_bytes:
+            self._next_shard()
+        self._file.write(record)
+        self._in_shard += len(record)
+        self.offsets.append(self.offsets[-1] + len(record))
+
+    def _next_shard(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        name = f"{self.stream}-{len(self.names):05d}.jpgs"
+        self.names.append(name)
+        self.first.append(len(self.offsets) - 1)
+        self._file = open(os.path.join(self.folder, name), "wb")
+        self._in_shard = 0
+
+    def finish(self) -> list[str]:
+        """Close the last shard; save the offsets and shard starts; the file names written."""
+        if self._file is not None:
+            self._file.close()
+        n = len(self.offsets) - 1
+        np.save(os.path.join(self.folder, f"{self.stream}_offsets.npy"), np.asarray(self.offsets))
+        shards = np.asarray([*self.first, n], np.int64)
+        np.save(os.path.join(self.folder, f"{self.stream}_shards.npy"), shards)
+        return [*self.names, f"{self.stream}_offsets.npy", f"{self.stream}_shards.npy"]
+
+
+class _Stream:
+    """One stream's records, read from memory-mapped shards."""
+
+    def __init__(self, path: str, stream: str, files: dict, n: int):
+        try:
+            offsets = np.load(os.path.join(path, f"{stream}_offsets.npy"))
+            first = np.load(os.path.join(path, f"{stream}_shards.npy"))
+        except (OSError, ValueError) as e:
+            raise StoreError(f"{stream}'s offsets or shards are unreadable ({type(e).__name__}: {e})")
+        names = [f"{stream}-{k:05d}.jpgs" for k in range(len(first) - 1)]
+        if (
+            offsets.shape != (n + 1,)
+            or offsets[0] != 0
+            or np.any(np.diff(offsets) <= 0)
+            or first.ndim != 1
+            or (n and len(first) < 2)
+            or (len(first) and (first[0] != 0 or first[-1] != n or np.any(np.diff(first) <= 0)))
+            or any(name not in files for name in names)
+            or any(
+                files[name]["bytes"] != offsets[first[k + 1]] - offsets[first[k]]
+                for k, name in enumerate(names)
+            )
+        ):
+            raise StoreError(f"{stream}'s offsets, shard starts and shard sizes disagree")
+        self.offsets = offsets.astype(np.int64)
+        self.first = first.astype(np.int64)
+        self.shards = [
+            np.memmap(os.path.join(path, name), np.uint8, "r") for name in names
+        ]
+
+    def record(self, i: int) -> np.ndarray:
+        """Record ``i``'s bytes (a view into its shard)."""
+        k = int(np.searchsorted(self.first, i, side="right")) - 1
+        base = self.offsets[self.first[k]]
+        return self.shards[k][self.offsets[i] - base : self.offsets[i + 1] - base]
+
+
+class CompressedStore:
+    """A compressed store, memory-mapped read-only and decoded by a thread pool (module doc).
+    Open with ``CompressedStore.open``, ``open_store`` or ``store.open_source``."""
+
+    def __init__(self, path, manifest, shapes, kept, streams, threads=None):
+        self.path = path
+        self.manifest = manifest
+        self.shapes = shapes  # int32 [N, 2] stored (h, w)
+        self.kept = kept  # bool [N]: the training record is the original file's bytes
+        self.canvas = tuple(int(x) for x in shapes.max(axis=0)) if len(shapes) else (0, 0)
+        self.image_size = int(manifest["image_size"])
+        self._train, self._eval = streams
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads or store._cpu_count())
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(f["bytes"] for f in self.manifest["files"].values()))
+
+    def close(self) -> None:
+        self._pool.shutdown()
+
+    @classmethod
+    def open(
+        cls,
+        path: str,
+        *,
+        key: str | None = None,
+        num_images: int | None = None,
+        check_data: bool = True,
+        threads: int | None = None,
+    ) -> CompressedStore:
+        """Open and check the store at ``path``; ``StoreError`` says why it is unusable."""
+        manifest = store._read_manifest(path, key=key, num_images=num_images, format=FORMAT)
+        try:
+            files = dict(manifest["files"])
+            n, s = int(manifest["num_images"]), int(manifest["image_size"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise StoreError(f"{store.MANIFEST} lacks a field ({type(e).__name__}: {e})")
+        store._check_data_files(path, files, check_data=check_data)
+        try:
+            shapes = np.load(os.path.join(path, SHAPES))
+            kept = np.load(os.path.join(path, KEPT))
+        except (OSError, ValueError) as e:
+            raise StoreError(f"{SHAPES} or {KEPT} is unreadable ({type(e).__name__}: {e})")
+        if shapes.shape != (n, 2) or kept.shape != (n,) or s < 1:
+            raise StoreError(f"{SHAPES} or {KEPT} does not hold {n} images")
+        streams = [_Stream(path, stream, files, n) for stream in STREAMS]
+        return cls(path, manifest, shapes.astype(np.int32), kept.astype(bool), streams, threads)
+
+    def gather(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """As ``store.ImageStore.gather``: uint8 [n, canvas_h, canvas_w, 3] (each decoded
+        training image at the top-left, zeros elsewhere) and int32 [n, 2] (h, w)."""
+        ids = store._check_ids(ids, len(self))
+        out = np.empty((len(ids), *self.canvas, 3), np.uint8)
+
+        def one(k):
+            i = ids[k]
+            image = self._decode(self._train, i)
+            if image.shape[:2] != tuple(self.shapes[i]):
+                raise StoreError(
+                    f"{self.path}: image {i} decodes to {image.shape[:2]}, its shape is "
+                    f"{tuple(self.shapes[i])}"
+                )
+            store._place(out[k], image)
+
+        list(self._pool.map(one, range(len(ids))))
+        return out, self.shapes[ids]
+
+    def eval_images(self, ids: np.ndarray) -> np.ndarray:
+        """uint8 [n, S, S, 3]: each image's stored evaluation input (PIL's bilinear resize of
+        the full-size decode, re-encoded: module doc for its distance from PIL's)."""
+        ids = store._check_ids(ids, len(self))
+        s = self.image_size
+        out = np.empty((len(ids), s, s, 3), np.uint8)
+
+        def one(k):
+            out[k] = self._decode(self._eval, ids[k])
+
+        list(self._pool.map(one, range(len(ids))))
+        return out
+
+    def _decode(self, stream: _Stream, i: int) -> np.ndarray:
+        try:
+            return decode(stream.record(i))
+        except ValueError as e:
+            raise StoreError(f"{self.path}: record {i} does not decode ({e})") from e
+
+
+def _open(path, *, key=None, num_images=None):
+    return CompressedStore.open(path, key=key, num_images=num_images)
+
+
+def open_store(
+    index,
+    *,
+    image_size: int = 224,
+    short_side: int = 320,
+    stores_dir: str,
+    sizes: np.ndarray | None = None,
+    workers: int | None = None,
+    progress: bool = True,
+) -> CompressedStore:
+    """The compressed store of the folder ``index`` in ``stores_dir``: the existing valid one,
+    else built (a stale or corrupt one is logged and rebuilt). ``sizes``: the files' header
+    (h, w), if already read. OSError when the disk has clearly too little room."""
+    paths = store._flat_paths(index)
+    key = store.store_key(index.root, paths, image_size, short_side, kind=KIND)
+    final = os.path.join(stores_dir, key)
+    reused = store._open_existing(
+        stores_dir,
+        final,
+        index.root,
+        key,
+        len(paths),
+        image_size,
+        short_side,
+        opener=_open,
+        format=FORMAT,
+        kind="compressed store",
+    )
+    if reused is not None:
+        return reused
+    if sizes is None:
+        sizes = store.read_sizes(paths, progress=progress)
+    need, free = estimate_bytes(sizes, image_size, short_side), shutil.disk_usage(stores_dir).free
+    if need > free:
+        raise OSError(
+            f"The compressed store of {index.root} needs about {need / 2**30:.1f} GiB but "
+            f"{stores_dir} has {free / 2**30:.1f} GiB free; free space, set cache_dir "
+            "elsewhere, or stream."
+        )
+    log.info("Encoding %d images of %s once into %s.", len(paths), index.root, final)
+    return _build(index, paths, sizes, key, final, image_size, short_side, workers, progress)
+
+
+def _build(index, paths, sizes, key, final, image_size, short_side, workers, progress):
+    """Decode and encode ``paths`` into a new store, renamed into place at ``final``; open it."""
+    n = len(paths)
+    if n == 0:
+        raise BadImageError(f"{index.root}: no images to store")
+    shapes = store._stored_shapes(sizes, short_side)
+    stores_dir = os.path.dirname(final)
+    store._remove_orphaned_builds(stores_dir)
+    tmp = tempfile.mkdtemp(prefix=store._build_prefix(key), dir=stores_dir)
+    start = time.perf_counter()
+    try:
+        writers = {s: _ShardWriter(tmp, s, SHARD_BYTES) for s in STREAMS}
+        kept: list[bool] = []
+
+        def consume(result):
+            count, train, evals, kept_chunk = result
+            for record in train:
+                writers["train"].add(record)
+            for record in evals:
+                writers["eval"].add(record)
+            kept.extend(kept_chunk)
+            return count
+
+        workers = max(1, workers or store._cpu_count())
+        chunk = max(1, min(64, math.ceil(n / (workers * 8))))
+        jobs = [
+            (image_size, paths[i : i + chunk], sizes[i : i + chunk], shapes[i : i + chunk])
+            for i in range(0, n, chunk)
+        ]
+        store._run_decode_jobs(
+            jobs, workers, n, progress=progress, decode=_encode_chunk, consume=consume
+        )
+        names = [name for w in writers.values() for name in w.finish()]
+        np.save(os.path.join(tmp, SHAPES), shapes)
+        np.save(os.path.join(tmp, KEPT), np.asarray(kept, bool))
+        manifest = store._write_manifest(
+            tmp,
+            key,
+            n,
+            image_size,
+            short_side,
+            shapes,
+            os.path.realpath(index.root),
+            start,
+            names=(*names, SHAPES, KEPT),
+            format=FORMAT,
+            extra={
+                "quality": QUALITY,
+                "subsampling": SUBSAMPLING,
+                "decoder": f"simplejpeg {simplejpeg.__version__}",
+                "kept_originals": int(np.sum(kept)),
+            },
+        )
+        theirs = store._rename_into_place(tmp, final, key, n, opener=_open)
+        if theirs is not None:
+            return theirs
+        tmp = None
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    log.info(
+        "Built %s: %d images (%d kept as their original bytes), %.2f GiB, in %.1f s.",
+        final,
+        n,
+        manifest["kept_originals"],
+        sum(f["bytes"] for f in manifest["files"].values()) / 2**30,
+        manifest["build_seconds"],
+    )
+    return CompressedStore.open(final, key=key, num_images=n, check_data=False)
