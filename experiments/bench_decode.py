@@ -42,12 +42,15 @@ Runs without TensorFlow (checked at the end).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import io
+import multiprocessing
 import os
 import platform
 import shutil
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -125,8 +128,11 @@ def make_image(domain: str, rng, photos, h: int, w: int) -> Image.Image:
     elif domain == "painting":
         brush = _pink_noise(rng, h, w) * 255
         out = 0.6 * _photo_crop(rng, photos, h, w) + 0.4 * brush
-        out = np.asarray(Image.fromarray(np.clip(out, 0, 255).astype(np.uint8)).resize(
-            (max(1, w // 3), max(1, h // 3)), Image.BILINEAR).resize((w, h), Image.BICUBIC))
+        out = np.asarray(
+            Image.fromarray(np.clip(out, 0, 255).astype(np.uint8))
+            .resize((max(1, w // 3), max(1, h // 3)), Image.BILINEAR)
+            .resize((w, h), Image.BICUBIC)
+        )
         out = out + rng.normal(0, 4, (h, w, 3))
     elif domain == "clipart":  # flat-colour shapes with dark outlines on white
         image = Image.new("RGB", (w, h), (255, 255, 255))
@@ -135,7 +141,12 @@ def make_image(domain: str, rng, photos, h: int, w: int) -> Image.Image:
             x0, y0 = rng.uniform(0, w * 0.8), rng.uniform(0, h * 0.8)
             box = [x0, y0, x0 + rng.uniform(w * 0.1, w * 0.5), y0 + rng.uniform(h * 0.1, h * 0.5)]
             shape = draw.ellipse if rng.random() < 0.5 else draw.rectangle
-            shape(box, fill=tuple(int(v) for v in rng.integers(0, 256, 3)), outline=(20, 20, 20), width=3)
+            shape(
+                box,
+                fill=tuple(int(v) for v in rng.integers(0, 256, 3)),
+                outline=(20, 20, 20),
+                width=3,
+            )
         out = np.asarray(image).astype(np.float64) - _pink_noise(rng, h, w) * 12  # shading
     elif domain == "infograph":
         out = np.full((h, w, 3), rng.integers(200, 256, 3), np.float64)
@@ -226,7 +237,7 @@ def turbojpeg_decoders():
         import turbojpeg
 
         jpeg = turbojpeg.TurboJPEG()
-    except Exception as e:  # not installed, or its system library is missing
+    except (ImportError, OSError, RuntimeError) as e:  # not installed, or no system library
         return {}, f"{type(e).__name__}: {e}"
 
     def full(data, shape):
@@ -234,7 +245,11 @@ def turbojpeg_decoders():
 
     def scaled(data, shape):
         h, w = jpeg.decode_header(data)[:2]
-        factors = [f for f in jpeg.scaling_factors if h * f[0] // f[1] >= shape[0] and w * f[0] // f[1] >= shape[1]]
+        factors = [
+            f
+            for f in jpeg.scaling_factors
+            if h * f[0] // f[1] >= shape[0] and w * f[0] // f[1] >= shape[1]
+        ]
         factor = min(factors, key=lambda f: f[0] / f[1]) if factors else (1, 1)
         out = jpeg.decode(data, pixel_format=turbojpeg.TJPF_RGB, scaling_factor=factor)
         return _resized(out, shape)
@@ -259,6 +274,52 @@ def difference(got: list[np.ndarray], want: list[np.ndarray]) -> tuple[float, in
     return float(flat.mean()), int(flat.max())
 
 
+def _busy(seconds: float) -> float:
+    """CPU-seconds per second that one busy process gets."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    while time.perf_counter() - wall < seconds:
+        pass
+    return (time.process_time() - cpu) / (time.perf_counter() - wall)
+
+
+def free_cores(cores: int, seconds: float = 1.5) -> float:
+    """Cores this program actually gets now: the CPU share of ``cores`` busy processes, summed
+    (other jobs on a shared machine take the rest)."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(cores, mp_context=context) as pool:
+        list(pool.map(_busy, [0.1] * cores))  # started
+        return sum(pool.map(_busy, [seconds] * cores))
+
+
+def gil_probe(decoders: dict, record: bytes, seconds: float = 2.0) -> None:
+    """How fast a pure-Python loop runs while another thread decodes ``record`` without pause,
+    relative to the loop alone: about 1 when the decoder releases the GIL (and a core is
+    free for it), about 0.5 or less when it holds the GIL."""
+
+    def loop():
+        n, end = 0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            n += 1
+        return n
+
+    alone = loop()
+    for name, function in decoders.items():
+        stop = threading.Event()
+
+        def background(function=function, stop=stop):
+            while not stop.is_set():
+                function(record, (0, 0))
+
+        thread = threading.Thread(target=background)
+        thread.start()
+        try:
+            share = loop() / alone
+        finally:
+            stop.set()
+            thread.join()
+        print(f"{name:<20} Python loop at {share:.0%} of its speed alone")
+
+
 def verdict(rate: float, need: float) -> str:
     return "yes" if rate >= need else "no"
 
@@ -276,12 +337,18 @@ def main():
     root, cache = os.path.join(work, "DomainNetLike"), os.path.join(work, "cache")
     cores = store._cpu_count()
     need_train, need_eval = TRAIN_IMAGES_PER_S / CORES, EVAL_IMAGES_PER_S / CORES
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line),
-        platform.processor(),
-    ) if os.path.exists("/proc/cpuinfo") else platform.processor()
+    cpu = platform.processor()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if "model name" in ln), cpu)
     print(f"# bench_decode: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(f"command: python {' '.join(sys.argv)}")
     print(f"CPU: {cpu}, {cores} usable cores; Python {platform.python_version()}")
+    print(
+        "load average at the start (other processes' use of these cores): "
+        + ", ".join(f"{x:.1f}" for x in os.getloadavg())
+        + f"; {cores} busy processes got {free_cores(cores):.1f} cores in all"
+    )
     print(
         f"PIL {Image.__version__} (libjpeg-turbo {features.version('jpg')}), "
         f"simplejpeg {simplejpeg.__version__}"
@@ -317,7 +384,9 @@ def main():
     eval_bytes = sum(f["bytes"] for name, f in files.items() if name.startswith("eval-"))
     decoded_bytes = store.estimate_store_bytes(sizes, IMAGE_SIZE, SHORT_SIDE)
     stored_pixels = decoded_bytes / 3
-    print(f"\n## Stores ({n} images; stored shorter side {SHORT_SIDE}, eval {IMAGE_SIZE}x{IMAGE_SIZE})")
+    print(
+        f"\n## Stores ({n} images; stored shorter side {SHORT_SIDE}, eval {IMAGE_SIZE}x{IMAGE_SIZE})"
+    )
     print(
         f"build: {build_s:.1f} s, {n / build_s:.0f} images/s with {cores} worker processes "
         f"({n / build_s / cores:.0f} per core)"
@@ -332,6 +401,11 @@ def main():
         f"  {compressed.nbytes / stored_pixels:.3f} bytes per stored pixel (training + eval "
         f"pixels; jpeg_store.BYTES_PER_PIXEL = {jpeg_store.BYTES_PER_PIXEL} is open_source's "
         "estimate)"
+    )
+    estimate = jpeg_store.estimate_bytes(sizes, IMAGE_SIZE, SHORT_SIDE)
+    print(
+        f"  open_source's estimate for this folder: {estimate / 2**20:.1f} MiB "
+        f"({estimate / compressed.nbytes:.2f}x the measured size)"
     )
     print(
         f"decoded store (for comparison): {decoded_bytes / 2**20:.1f} MiB, "
@@ -360,6 +434,58 @@ def main():
     train_records = [bytes(compressed._train.record(i)) for i in ids]
     eval_records = [bytes(compressed._eval.record(i)) for i in ids]
 
+    print("\n## Per domain: the compressed store and its pixels (sample, simplejpeg)")
+    print("domain      kept  KB/image  bytes/stored px  training diff mean/max  eval diff mean/max")
+    domain_of = np.concatenate([[d] * len(env) for d, env in enumerate(index.paths)])
+    lengths = {
+        stream: np.diff(getattr(compressed, f"_{stream}").offsets) for stream in ("train", "eval")
+    }
+    for d, domain in enumerate(index.env_names):
+        mine = domain_of == d
+        pixels = compressed.shapes[mine].astype(np.int64).prod(axis=1).sum()
+        pixels += mine.sum() * IMAGE_SIZE**2
+        stored = lengths["train"][mine].sum() + lengths["eval"][mine].sum()
+        sample = [k for k, i in enumerate(ids) if domain_of[i] == d]
+        train_diff = difference(
+            [jpeg_store.decode(train_records[k]) for k in sample], [want_train[k] for k in sample]
+        )
+        eval_diff = difference(
+            [jpeg_store.decode(eval_records[k]) for k in sample], [want_eval[k] for k in sample]
+        )
+        print(
+            f"{domain:<10} {compressed.kept[mine].mean():>5.0%} {stored / mine.sum() / 1e3:>9.1f}"
+            f" {stored / pixels:>16.3f} {train_diff[0]:>16.2f} / {train_diff[1]:<5}"
+            f" {eval_diff[0]:>12.2f} / {eval_diff[1]}"
+        )
+    encoded = [k for k, i in enumerate(ids) if not compressed.kept[i]]
+    mean, top = difference(
+        [jpeg_store.decode(train_records[k]) for k in encoded], [want_train[k] for k in encoded]
+    )
+    print(
+        f"re-encoded training images only ({len(encoded)} of the sample): diff mean {mean:.2f}, "
+        f"max {top}; kept originals: 0 (checked at build)"
+    )
+
+    print("\n## Quality of the re-encoded records (every sampled image re-encoded; simplejpeg)")
+    print("quality subsampling  KB train  KB eval  train diff mean/max  eval diff  decode/core")
+    for quality, subsampling in ((85, "420"), (90, "420"), (90, "444"), (95, "420"), (95, "444")):
+
+        def encode(image, quality=quality, subsampling=subsampling):
+            return simplejpeg.encode_jpeg(
+                image, quality=quality, colorspace="RGB", colorsubsampling=subsampling
+            )
+
+        trains, evals = [encode(x) for x in want_train], [encode(x) for x in want_eval]
+        train_diff = difference([simplejpeg.decode_jpeg(r) for r in trains], want_train)
+        eval_diff = difference([simplejpeg.decode_jpeg(r) for r in evals], want_eval)
+        rate = per_core_rate(simplejpeg.decode_jpeg, [(r,) for r in trains])
+        print(
+            f"{quality:>7} {subsampling:>11} {np.mean([len(r) for r in trains]) / 1e3:>9.1f}"
+            f" {np.mean([len(r) for r in evals]) / 1e3:>8.1f} {train_diff[0]:>12.2f} / "
+            f"{train_diff[1]:<5} {eval_diff[0]:>5.2f} / {eval_diff[1]:<4} {rate:>10.0f}"
+        )
+    print(f"(the store uses quality {jpeg_store.QUALITY}, {jpeg_store.SUBSAMPLING})")
+
     decoders = {
         "PIL full": pil_full,
         "PIL draft": pil_draft,
@@ -379,7 +505,9 @@ def main():
         got = [function(*item) for item in items]
         mean, top = difference(got, want)
         rows.append((name, rate))
-        print(f"{name:<20} {rate:>10.0f} {need:>6.0f} {verdict(rate, need):>5} {mean:>9.2f} {top:>4}")
+        print(
+            f"{name:<20} {rate:>10.0f} {need:>6.0f} {verdict(rate, need):>5} {mean:>9.2f} {top:>4}"
+        )
 
     print(f"\n## Decode per core, {len(ids)} images (one thread; images per CPU-second)")
     print(
@@ -390,7 +518,12 @@ def main():
     )
     for label, targets, want, need in (
         ("training input (stored canvas image)", shapes, want_train, need_train),
-        (f"evaluation input ({IMAGE_SIZE}x{IMAGE_SIZE})", [square] * len(ids), want_eval, need_eval),
+        (
+            f"evaluation input ({IMAGE_SIZE}x{IMAGE_SIZE})",
+            [square] * len(ids),
+            want_eval,
+            need_eval,
+        ),
     ):
         print(f"\n### {label}\n(a) from the original files\n{header}")
         for name, function in decoders.items():
@@ -412,7 +545,10 @@ def main():
         print(f"\nPyTurboJPEG: not measured ({why_not}); it needs a system libturbojpeg.")
     print("NVIDIA DALI (nvJPEG on the GPU): not measured, no GPU on this machine.")
 
-    print("\n## The store's gather / eval_images, batches of 96 / 128 (wall clock)")
+    print(
+        f"\n## The store's gather / eval_images, batches of 96 / 128 (wall clock; gather fills "
+        f"canvases of {compressed.canvas[0]}x{compressed.canvas[1]}, the largest stored h and w)"
+    )
     batches = [rng.choice(n, 96) for _ in range(8)]
     for threads in sorted({1, cores}):
         source = jpeg_store.CompressedStore.open(compressed.path, threads=threads)
@@ -428,13 +564,32 @@ def main():
             count = len(batches) * size
             print(
                 f"{name:<12} {threads} thread(s): {count / wall:>7.0f} images/s wall, "
-                f"{count / cpu_s:>6.0f} per CPU-second"
+                f"{count / cpu_s:>6.0f} per CPU-second, CPU use {cpu_s / wall:.0%} of one core"
             )
         source.close()
     compressed.close()
     print(
-        "\n(wall-clock images/s with all threads over 1 thread is the pool's speed-up: near the "
-        "core count only if the decoder releases the GIL and the cores are free)"
+        "\n## The GIL: a Python thread's speed while another decodes a large JPEG (needs a "
+        "free core to separate: compare with the control)"
+    )
+    largest = max(range(len(ids)), key=lambda k: len(originals[k]))
+    gil_probe(
+        {
+            "simplejpeg": lambda data, _: simplejpeg.decode_jpeg(data),
+            "PIL": lambda data, _: Image.open(io.BytesIO(data)).convert("RGB"),
+            "pure Python (control)": lambda data, _: sum(range(20_000)),  # holds the GIL
+        },
+        originals[largest],
+    )
+    print(
+        "\n(all threads over 1 thread is the pool's speed-up: near the core count only if the "
+        "decoder releases the GIL and the cores are free; CPU use above 100% of one core shows "
+        "threads decoding at once, which a decoder holding the GIL cannot do)"
+    )
+    print(
+        "load average at the end: "
+        + ", ".join(f"{x:.1f}" for x in os.getloadavg())
+        + f"; {cores} busy processes got {free_cores(cores):.1f} cores in all"
     )
     print(f"\nTensorFlow imported: {'tensorflow' in sys.modules}")
     if args.folder is None:

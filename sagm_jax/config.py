@@ -348,8 +348,8 @@ FIELDS: dict[str, tuple[Field, ...]] = {
         ),
         Field(
             "store_budget_gb",
-            32.0,
-            '"auto" streams when the estimated store is larger',
+            64.0,
+            '"auto": the most a store may take on disk (decoded, else compressed, else stream)',
             _number(">= 0"),
         ),
         Field(

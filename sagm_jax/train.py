@@ -14,7 +14,9 @@ save. The parts live in their own modules:
 Steps follow DomainBed: update ``t = 0 .. steps-1``; after update ``t`` the run
 evaluates when ``t % eval_every == 0`` or ``t == steps - 1`` and appends a record
 with ``step = t``, ``loss`` = the mean training loss since the last record, and
-``env{i}_{part}_acc`` for every environment and split part. The record is written
+``env{i}_{part}_acc`` for the split parts ``config.eval_splits`` evaluates
+(``evaluation.evaluated_parts``: "fast" leaves out the training environments' 'in'
+parts, which no model selection reads; "all" is every part). The record is written
 (and flushed) BEFORE the checkpoint of that step (``checkpoints/<t>``), so after a
 kill at any point the restart restores the newest checkpoint (state ``step = s + 1``),
 drops records with ``step > s`` and repeats exactly what was lost: batches, dropout
@@ -509,12 +511,11 @@ def _missing_parts_note(missing: set, envs, test_envs, record: dict) -> str:
     eval_splits = record.get("config", {}).get("eval_splits")
     if missing <= train_in and eval_splits == "fast":
         return (
-            "  - training environments' 'in' parts are not evaluated (config.eval_splits="
-            "fast: model selection does not read them; --config.eval_splits=all evaluates "
-            "every part)"
+            "  - : training environments' 'in' parts are not evaluated (config.eval_splits="
+            "fast; --config.eval_splits=all evaluates every part)"
         )
     parts = ", ".join(f"env{e} '{p}'" for e, p in sorted(missing))
-    return f"  - not in the records: {parts}"
+    return f"  - : not in the records: {parts}"
 
 
 def _test_accuracy_table(config, env_names, accuracies: dict) -> str:

@@ -136,7 +136,7 @@ BAD_VALUES = [
     ("seed", 1.5, "an integer >= 0"),
     ("holdout_fraction", 1.0, "in (0, 1)"),
     ("batch_per_env", 0, "a positive integer"),
-    ("eval_batch_size", -8, "a positive integer"),
+    ("eval_batch_size", -8, "an integer >= 0"),  # 0: the throughput default
     ("image_size", 0, "a positive integer"),
     ("store_short_side", 100, "an integer >= config.image_size=224"),
     ("store_budget_gb", -1.0, "a number >= 0"),
@@ -153,7 +153,7 @@ BAD_VALUES = [
     ("split", "random", "one of domainbed, in_domain"),
     ("compute_dtype", "float16", "one of float32, bfloat16"),
     ("input", "gpu", "one of device, tf"),
-    ("image_store", "disk", "one of auto, cache, stream"),
+    ("image_store", "disk", "one of auto, cache, compressed, stream"),
     ("dropout", -0.1, "in [0, 1)"),
     ("steps", True, "a positive integer"),
     ("eval_every", 0, "a positive integer"),
@@ -431,7 +431,9 @@ def _md5_seed(config_dict, dropped):
     return int(hashlib.md5(text.encode("utf-8")).hexdigest(), 16) % 2**31
 
 
-RESULT_FREE = dict(cache_dir="/elsewhere", data_dir="/moved", store_budget_gb=1.0, log_every=7)
+RESULT_FREE = dict(
+    cache_dir="/elsewhere", data_dir="/moved", store_budget_gb=1.0, eval_cache_gb=2.0, log_every=7
+)
 
 
 def test_settings_that_do_not_change_the_result_keep_hparams_seed():

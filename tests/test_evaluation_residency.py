@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 from sagm_jax import data as data_lib
 from sagm_jax import evaluation
 from sagm_jax.evaluation import DEVICE, HOST, Evaluator
+from tests.data.test_dataset import smallest_batch_holding
 from tests.test_evaluation import Linear, digits_config
 
 GiB = 2**30
@@ -39,16 +40,13 @@ def counting_evaluator(config, budgets=None, monkeypatch=None):
 
 
 def padded_rows(evaluator) -> int:
-    """Rows (padding included) of every evaluated part, written out from the layout rule:
-    parts of n examples in batches of b (or the smallest 8 * 2**k >= n below b)."""
+    """Rows (padding included) of every evaluated part: whole batches, then the rest in
+    the smallest allowed batch (``smallest_batch_holding``; 8: the fake devices)."""
     total = 0
     for env, part in evaluator.parts:
         n, b = len(evaluator.dataset.splits[env][part]), evaluator.batch_size
-        if n < b:
-            b = 8
-            while b < n:
-                b *= 2
-        total += -(-n // b) * b
+        rest = n % b
+        total += n - rest + (smallest_batch_holding(rest, b, 8) if rest else 0)
     return total
 
 

@@ -61,6 +61,28 @@ def test_another_config_is_refused_naming_the_keys(tmp_path):
         run.check_config({"lr": 2.0, "test_envs": (1,)})
 
 
+def test_a_relaunch_that_changes_eval_splits_is_refused_naming_the_recorded_value(tmp_path):
+    """The parts a record holds are eval_splits': one run's records hold one kind, so a
+    change is refused (config.json is kept). A config.json written before the key
+    existed evaluated every part: it is an "all" run."""
+    run = rundir.RunDir(str(tmp_path))
+    config = {"lr": 1.0, "eval_splits": "fast"}
+    rundir.write_json(os.path.join(tmp_path, rundir.CONFIG), config)
+    run.check_config(config)
+    with pytest.raises(
+        ValueError, match=r"keys \['eval_splits'\] differ.*--config.eval_splits=fast\.$"
+    ):
+        run.check_config({**config, "eval_splits": "all"})
+    assert rundir.read_config(str(tmp_path)) == config
+    # Written before eval_splits existed: "all" is the same run, the new default is not.
+    rundir.write_json(os.path.join(tmp_path, rundir.CONFIG), {"lr": 1.0})
+    run.check_config({"lr": 1.0, "eval_splits": "all"})
+    with pytest.raises(ValueError, match=r"keys \['eval_splits'\] differ.*eval_splits='all'"):
+        run.check_config({"lr": 1.0, "eval_splits": "fast"})
+    with pytest.raises(ValueError, match=r"keys \['lr'\] differ.*directory\.$"):
+        run.check_config({"lr": 2.0, "eval_splits": "all"})  # no eval_splits hint
+
+
 def test_a_record_is_domainbeds_with_the_setting_and_the_whole_config(tmp_path):
     config = {
         "dataset": "PACS",

@@ -37,9 +37,12 @@ def test_rotated_digits_end_to_end(tmp_path):
     assert [r["step"] for r in on_disk] == [0, 2, 4]
     for record in on_disk:
         assert np.isfinite(record["loss"])
-        for env in range(6):
-            for part in ("in", "out"):
-                assert 0.0 <= record[f"env{env}_{part}_acc"] <= 1.0
+        # The default eval_splits="fast": every 'out' part and the test environment's
+        # 'in', not the training environments' 'in' (tests/test_evaluation.py: "all").
+        assert record["config"]["eval_splits"] == "fast"
+        accuracies = {k for k in record if k.endswith("_acc")}
+        assert accuracies == {"env0_in_acc", *(f"env{e}_out_acc" for e in range(6))}
+        assert all(0.0 <= record[k] <= 1.0 for k in accuracies)
         assert record["args"]["test_envs"] == [0] and record["hparams"]["lr"] == 1e-3
     for name in ("config.json", "run_info.json", "split.json", "done"):
         assert os.path.exists(tmp_path / name), name
@@ -285,6 +288,21 @@ def test_a_workdir_with_another_config_is_refused(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_relaunch_that_changes_eval_splits_is_refused(tmp_path, capsys):
+    """A run's records all hold the parts of one eval_splits: a finished fast run
+    relaunched with "all" is refused, naming the key and the value that goes on."""
+    train.train_and_evaluate(digits_config(steps=1), str(tmp_path))
+    before = (tmp_path / "results.jsonl").read_text()
+    capsys.readouterr()
+    with pytest.raises(
+        ValueError, match=r"keys \['eval_splits'\] differ.*relaunch with --config.eval_splits=fast"
+    ):
+        train.train_and_evaluate(digits_config(steps=1, eval_splits="all"), str(tmp_path))
+    assert "Selected step" not in capsys.readouterr().out
+    assert (tmp_path / "results.jsonl").read_text() == before
+
+
+@pytest.mark.slow
 def test_batch_that_does_not_divide_among_devices_is_named(tmp_path):
     with pytest.raises(ValueError, match="config.batch_per_env.*= 15 does not divide among 8"):
         train.train_and_evaluate(digits_config(batch_per_env=3), str(tmp_path / "run"))
@@ -340,13 +358,13 @@ def test_load_run_gives_the_selected_checkpoint_and_its_recorded_accuracy(tmp_pa
     assert record["step"] == selected
     assert train.load_run(str(tmp_path), "latest")[2]["step"] == 6
     dataset = data_lib.load("RotatedDigits", None, trial_seed=0, data_seed=0)
-    for env in (0, 1):
-        for part in ("in", "out"):
-            k = dataset.splits[env][part]
-            images = dataset.source.images[env][k]
-            logits = model.apply(variables, np.asarray(images, np.float32), train=False)
-            correct = int(np.sum(np.asarray(np.argmax(logits, -1)) == dataset.source.labels[env][k]))
-            assert correct / len(k) == record[f"env{env}_{part}_acc"]
+    assert "env1_in_acc" not in record  # eval_splits="fast": a training env's 'in'
+    for env, part in ((0, "in"), (0, "out"), (1, "out")):
+        k = dataset.splits[env][part]
+        images = dataset.source.images[env][k]
+        logits = model.apply(variables, np.asarray(images, np.float32), train=False)
+        correct = int(np.sum(np.asarray(np.argmax(logits, -1)) == dataset.source.labels[env][k]))
+        assert correct / len(k) == record[f"env{env}_{part}_acc"]
 
 
 @pytest.mark.slow
@@ -475,6 +493,51 @@ def test_summary_is_in_percent_with_the_selected_step(capsys):
     assert "Selected step 10 by training-domain validation" in out and "85.0%" in out
     assert "env0 art (test)" in out and "25.0" in out and "90.0" in out
     assert "Test accuracy ('in' split of the test environment): env0 art 25.0%" in out
+
+
+def test_summary_of_fast_records_shows_a_dash_and_says_why(capsys):
+    """eval_splits="fast" records lack the training environments' 'in' parts: their cells
+    are "-", with one line saying why; every number shown is the record's."""
+    records = [summary_record(0, [0.1, 0.5, 0.5], 0), summary_record(10, [0.25, 0.8, 0.9], 0)]
+    for r in records:
+        del r["env1_in_acc"], r["env2_in_acc"]
+        r["config"] = {"eval_splits": "fast"}
+    swad_record = {
+        "env0_in_acc": 0.375,
+        "env0_out_acc": 0.125,
+        "env1_out_acc": 0.625,
+        "env2_out_acc": 0.875,
+        "swad": {"segments": 3, "first_step": 2, "last_step": 10},
+    }
+    train.print_summary(records, [0], ["art", "photo", "sketch"], swad_record)
+    lines = capsys.readouterr().out.splitlines()
+    header = "environment in % out % SWAD in % SWAD out %"
+    assert lines[1].split() == header.split()
+    rows = {line.split("(")[0].strip(): line.split(")")[1].split() for line in lines[2:5]}
+    assert rows == {
+        "env0 art": ["25.0", "0.0", "37.5", "12.5"],
+        "env1 photo": ["-", "80.0", "-", "62.5"],
+        "env2 sketch": ["-", "90.0", "-", "87.5"],
+    }
+    assert lines[5].strip() == (
+        "- : training environments' 'in' parts are not evaluated (config.eval_splits=fast; "
+        "--config.eval_splits=all evaluates every part)"
+    )
+    assert lines[6] == "Test accuracy ('in' split of the test environment): env0 art 25.0%"
+    assert lines[7].startswith("SWAD test accuracy: env0 art 37.5% (the mean of 3 segments")
+    # A part missing for another reason is named as missing, never put down to fast mode.
+    del records[1]["env0_out_acc"]
+    train.print_summary(records[1:], [0], ["art", "photo", "sketch"])
+    out = capsys.readouterr().out
+    assert "  - : not in the records: env0 'out', env1 'in', env2 'in'" in out
+    assert "eval_splits" not in out
+
+
+def test_summary_of_all_split_records_has_no_dash(capsys):
+    records = [summary_record(0, [0.1, 0.5, 0.5], 0), summary_record(10, [0.25, 0.8, 0.9], 0)]
+    train.print_summary(records, [0], ["art", "photo", "sketch"])
+    out = capsys.readouterr().out
+    assert " - " not in out and "not evaluated" not in out and "80.0" in out
 
 
 def test_all_test_envs_prints_the_workdir_once_then_writes_the_table_and_wall_time(

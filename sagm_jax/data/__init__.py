@@ -30,6 +30,7 @@ from sagm_jax.data.image_folder import (
 from sagm_jax.data.mnist import ArraySource
 from sagm_jax.data.pipeline import (
     eval_batch_size,
+    eval_blocks,
     eval_layout,
     sample_train_ids,
     sample_train_indices,
@@ -62,6 +63,7 @@ __all__ = [
     "cache_folder",
     "domainbed_splits",
     "eval_batch_size",
+    "eval_blocks",
     "eval_layout",
     "from_config",
     "get_spec",

@@ -215,17 +215,24 @@ class DomainBedData:
         ``{'image', 'label', 'mask'}``, every example once, padding masked out.
         ``augment=True`` applies the training augmentation (DomainBed's old default for
         validation), seeded by ``seed`` and the example's position. A split smaller
-        than ``batch_size`` comes in one smaller batch (``pipeline.eval_batch_size``;
-        pass the mesh's device count as ``batch_multiple``)."""
+        than ``batch_size`` comes in one smaller batch, and so does the rest after the whole
+        batches (``pipeline.eval_blocks``; pass the mesh's device count as
+        ``batch_multiple``)."""
         self._check_env(env)
         if part not in self.splits[env]:
             raise ValueError(f"Split part {part!r} not in {sorted(self.splits[env])}")
         source = self._opened_source()
         indices = self.splits[env][part]
         p, n_proc = pipeline.processes(process_index, process_count)
-        position, mask = pipeline.eval_layout(len(indices), batch_size, p, n_proc, batch_multiple)
-        ids = self._offsets()[env] + indices[position] if len(indices) else position
-        return source.eval_batches(ids, mask, position, augment=augment, seed=seed)
+        blocks = pipeline.eval_blocks(len(indices), batch_size, p, n_proc, batch_multiple)
+        offset = self._offsets()[env]
+
+        def batches():  # checked above, when called; read when iterated
+            for position, mask in blocks:
+                ids = offset + indices[position]
+                yield from source.eval_batches(ids, mask, position, augment=augment, seed=seed)
+
+        return batches()
 
     # ---- records ------------------------------------------------------------------
     def write_split(self, workdir: str) -> str:

@@ -18,24 +18,38 @@ What is stored, per image (flat id order, as ``FolderIndex.paths``):
 * the evaluation image: PIL's ``resize((S, S), BILINEAR)`` of the full-size decode (what
   the decoded store keeps), re-encoded the same way.
 
-Measured on this project's 2-core build machine (``experiments/bench_decode.py``,
-``docs/bench_decode_cpu.txt``), decoding 320x427 stored JPEGs: simplejpeg 1,100-1,200
-images/s per core, PIL 750. Evaluation inputs: decoding the stored 224x224 JPEG runs
-about 2,500 images/s per core; making it from the stored training image at read time
-(decode 320x427, PIL resize to 224x224) about 380, below the ~940 per core that 16 cores
-need to evaluate at the forward-pass rate, and would also resize twice. So the evaluation
-image is stored (about 40% more bytes). Pixel difference from PIL's decode of the
-original file (photo-like 400-700 px JPEGs; mean / max over pixels and channels, grey
-levels): stored training image 1.2 / 18, stored evaluation image 1.4 / 18, evaluation
-made from the stored image 1.1 / 23 (``tests/data/test_jpeg_store.py`` bounds them).
+Measured on this project's 2-core build machine (``experiments/bench_decode.py`` on a
+DomainNet-like folder of 3,181 images, ``docs/bench_decode_cpu.txt``), images per
+CPU-second of one thread:
 
-Decoder: ``simplejpeg`` (libjpeg-turbo in its wheel, no system library; it releases the
-GIL while decoding), in a thread pool of one thread per usable core. Chosen by
-measurement over PIL's full decode (same library, 35% slower: PIL's plug-in and mode
-conversion) and PIL's ``draft`` (which only helps when the stored image is at least twice
-the wanted size, never the case here). PyTurboJPEG needs a system ``libturbojpeg``,
-which the project does not depend on; NVIDIA DALI's nvJPEG is a GPU path, not measured
-(no GPU on the build machine).
+================================  ==========================  ===========================
+decoder                           training input (<=320 px)   evaluation input (224x224)
+================================  ==========================  ===========================
+simplejpeg, store's records       2,030                       4,480
+PIL, store's records              1,370                       3,158
+PIL ``draft``, original files     447                         638
+simplejpeg scaled, original files 507                         783
+PIL full, original files          440                         512
+================================  ==========================  ===========================
+
+16 cores feeding one H100 need 169 training images/s per core (2,700 a second) and,
+for evaluation at the forward-pass rate (3 x 4,964), 931 per core: only the store's
+records meet the second. Making the evaluation image at read time from the stored
+training image (decode, then PIL's resize) ran 701 per core, below it, and resizes
+twice; so the evaluation image is stored (17.7 KB of the 55.0 KB per image; the
+decoded store takes 526 KB). Pixel difference from PIL's decode of the original file
+(+ PIL's resize), mean / max over pixels and channels, in grey levels: training images
+0.68 / 22 (re-encoded ones alone 0.92 / 22; kept originals 0), evaluation images
+0.88 / 23 (``tests/data/test_jpeg_store.py`` bounds them on its own images).
+
+Decoder: ``simplejpeg`` (libjpeg-turbo inside its wheel, no system library; its
+``decode_jpeg`` runs libjpeg-turbo inside ``with nogil``: a Python thread kept 100% of
+its speed beside a decoding thread, 48% beside pure Python), in a thread pool of one
+thread per usable core. It decodes the store's records 42-48% faster than PIL (same
+library: PIL's plug-in and mode conversion cost the rest); PIL's ``draft`` helps only where the wanted size is at most half the
+stored one, never the case for the store's records. PyTurboJPEG needs a system
+``libturbojpeg`` (absent here; the project depends on no system library); NVIDIA DALI's
+nvJPEG is a GPU path, not measured (no GPU on the build machine).
 
 Layout of a store, ``<cache root>/stores/<key>/``: two streams of JPEG records,
 ``train`` and ``eval``; each is a few shard files (``train-00000.jpgs``, ...) of about
@@ -82,10 +96,10 @@ SHARD_BYTES = 1 << 30
 STREAMS = ("train", "eval")
 SHAPES, KEPT = "shapes.npy", "kept.npy"
 # Estimate of the store's bytes per stored pixel (training image plus S x S evaluation image),
-# for open_source's choice: measured 0.44 (training) and 0.54 (evaluation) bytes per pixel on
-# photo-like 400-700 px JPEGs at QUALITY 95, 4:4:4 (module doc); 0.6 leaves room for
-# busier content. Kept originals and line drawings take less.
-BYTES_PER_PIXEL = 0.6
+# for open_source's choice. Measured at QUALITY 95, 4:4:4 (docs/bench_decode_cpu.txt): 0.31
+# over the DomainNet-like folder; by domain 0.09 (quickdraw, kept originals) to 0.44
+# (painting), photos 0.41. 0.5 bounds every domain, so the estimate errs large.
+BYTES_PER_PIXEL = 0.5
 
 
 def estimate_bytes(sizes: np.ndarray, image_size: int, short_side: int) -> int:
@@ -160,7 +174,7 @@ class _ShardWriter:
         name = f"{self.stream}-{len(self.names):05d}.jpgs"
         self.names.append(name)
         self.first.append(len(self.offsets) - 1)
-        self._file = open(os.path.join(self.folder, name), "wb")
+        self._file = open(os.path.join(self.folder, name), "wb")  # noqa: SIM115 (kept open)
         self._in_shard = 0
 
     def finish(self) -> list[str]:
@@ -182,7 +196,9 @@ class _Stream:
             offsets = np.load(os.path.join(path, f"{stream}_offsets.npy"))
             first = np.load(os.path.join(path, f"{stream}_shards.npy"))
         except (OSError, ValueError) as e:
-            raise StoreError(f"{stream}'s offsets or shards are unreadable ({type(e).__name__}: {e})")
+            raise StoreError(
+                f"{stream}'s offsets or shards are unreadable ({type(e).__name__}: {e})"
+            )
         names = [f"{stream}-{k:05d}.jpgs" for k in range(len(first) - 1)]
         if (
             offsets.shape != (n + 1,)
@@ -200,15 +216,20 @@ class _Stream:
             raise StoreError(f"{stream}'s offsets, shard starts and shard sizes disagree")
         self.offsets = offsets.astype(np.int64)
         self.first = first.astype(np.int64)
+        # Plain arrays over the maps (slicing a np.memmap is slower), and each record's shard
+        # and start within it: a lookup is a few array reads (less time holding the GIL).
         self.shards = [
-            np.memmap(os.path.join(path, name), np.uint8, "r") for name in names
+            np.memmap(os.path.join(path, name), np.uint8, "r").view(np.ndarray) for name in names
         ]
+        self._shard_of = np.repeat(np.arange(len(names)), np.diff(self.first))
+        self._start = self.offsets[:-1] - self.offsets[self.first[self._shard_of]]
 
     def record(self, i: int) -> np.ndarray:
         """Record ``i``'s bytes (a view into its shard)."""
-        k = int(np.searchsorted(self.first, i, side="right")) - 1
-        base = self.offsets[self.first[k]]
-        return self.shards[k][self.offsets[i] - base : self.offsets[i + 1] - base]
+        start = int(self._start[i])
+        return self.shards[int(self._shard_of[i])][
+            start : start + int(self.offsets[i + 1] - self.offsets[i])
+        ]
 
 
 class CompressedStore:
@@ -316,13 +337,37 @@ def open_store(
     workers: int | None = None,
     progress: bool = True,
 ) -> CompressedStore:
-    """The compressed store of the folder ``index`` in ``stores_dir``: the existing valid one,
-    else built (a stale or corrupt one is logged and rebuilt). ``sizes``: the files' header
-    (h, w), if already read. OSError when the disk has clearly too little room."""
+    """The compressed store of the folder ``index`` in ``stores_dir``: the existing valid one
+    (``open_existing``), else a new one (``build``)."""
+    found = open_existing(
+        index, image_size=image_size, short_side=short_side, stores_dir=stores_dir
+    )
+    if found is not None:
+        return found
+    return build(
+        index,
+        image_size=image_size,
+        short_side=short_side,
+        stores_dir=stores_dir,
+        sizes=sizes,
+        workers=workers,
+        progress=progress,
+    )
+
+
+def _key_and_path(index, image_size, short_side, stores_dir) -> tuple[list[str], str, str]:
     paths = store._flat_paths(index)
     key = store.store_key(index.root, paths, image_size, short_side, kind=KIND)
-    final = os.path.join(stores_dir, key)
-    reused = store._open_existing(
+    return paths, key, os.path.join(stores_dir, key)
+
+
+def open_existing(
+    index, *, image_size: int = 224, short_side: int = 320, stores_dir: str
+) -> CompressedStore | None:
+    """The valid compressed store of ``index`` in ``stores_dir``, or None: a corrupt one is
+    logged and discarded, stale ones (the folder's files changed) are logged."""
+    paths, key, final = _key_and_path(index, image_size, short_side, stores_dir)
+    return store._open_existing(
         stores_dir,
         final,
         index.root,
@@ -334,8 +379,22 @@ def open_store(
         format=FORMAT,
         kind="compressed store",
     )
-    if reused is not None:
-        return reused
+
+
+def build(
+    index,
+    *,
+    image_size: int = 224,
+    short_side: int = 320,
+    stores_dir: str,
+    sizes: np.ndarray | None = None,
+    workers: int | None = None,
+    progress: bool = True,
+) -> CompressedStore:
+    """Build the compressed store of ``index`` in ``stores_dir`` (another process's store, if
+    it places one first). ``sizes``: the files' header (h, w), if already read. OSError when
+    the disk has clearly too little room (``estimate_bytes``)."""
+    paths, key, final = _key_and_path(index, image_size, short_side, stores_dir)
     if sizes is None:
         sizes = store.read_sizes(paths, progress=progress)
     need, free = estimate_bytes(sizes, image_size, short_side), shutil.disk_usage(stores_dir).free

@@ -14,11 +14,14 @@ Several hosts: every host computes the same global index list and keeps rows
 parts are disjoint and together form the global batch in order; ``to_global_batch``
 assembles them on the mesh with ``jax.make_array_from_process_local_data``.
 
-Evaluation batches visit every example of a split exactly once, in split order: the
-list is padded (with copies of its first example) to a whole number of global
-batches of ``batch_size``, and ``'mask'`` is False on the padding. Each host takes the
-same column block ``[p*b/P, (p+1)*b/P)`` of every batch, so all hosts yield the same
-number of batches.
+Evaluation batches visit every example of a split exactly once, in split order
+(``eval_blocks``): whole global batches of ``batch_size``, then the rest in one
+smaller batch (``eval_batch_size``: under ``batch_size / 8`` of padding), padded with
+copies of the split's first example, with ``'mask'`` False on the padding. Padding of
+PACS's fast evaluation (computed from its split sizes): 1.1% of the rows at batch 128
+and 5.3% at 512 (before, with every part padded to whole batches: 8.9% and 21.8%), at
+the cost of a few more compiled batch shapes. Each host takes the same column block ``[p*b/P, (p+1)*b/P)`` of
+every batch, so all hosts yield the same number of batches.
 
 The dataset (``dataset.py``) applies these rules and its ``Source`` reads the examples;
 ``prefetch_to_mesh`` places the next batches on the mesh from a background thread
@@ -63,16 +66,24 @@ def host_rows(global_size: int, process_index: int, process_count: int) -> tuple
 
 
 def eval_batch_size(n: int, batch_size: int, multiple: int = 1) -> int:
-    """The global evaluation batch for a split of ``n`` examples: ``batch_size``, or, for
-    a smaller split, the smallest ``multiple * 2**k`` that holds it, so that a tiny split
-    is not padded to ``batch_size``. ``multiple`` (the devices the batch is sharded over)
-    must divide ``batch_size``; powers of two keep the compiled shapes few."""
+    """The global evaluation batch for a split (or the rest of one) of ``n`` examples:
+    ``batch_size``, or, for fewer, the smallest size that holds them among the
+    ``multiple * 2**k`` up to ``step`` (the largest of them at most ``batch_size / 8``)
+    and the multiples of ``step`` up to ``batch_size``. So a tiny split is not padded to
+    ``batch_size``, padding is under ``step`` above it, and the compiled batch shapes
+    stay few (at most eight multiples of ``step`` and the powers of two below it).
+    ``multiple`` (the devices the batch is sharded over) must divide ``batch_size``."""
     if n >= batch_size:
         return batch_size
+    step = multiple
+    while step * 2 <= batch_size // 8:
+        step *= 2
     size = multiple
-    while size < n:
+    while size < min(n, step):
         size *= 2
-    return min(size, batch_size)
+    if size >= n:
+        return size
+    return min(-(-n // step) * step, batch_size)
 
 
 def eval_layout(
@@ -80,13 +91,38 @@ def eval_layout(
 ):
     """Positions into a split of ``n`` and the mask, shaped [num_batches, local batch];
     the batch is :func:`eval_batch_size` (``multiple``: the devices of the mesh)."""
-    batch_size = eval_batch_size(n, batch_size, math.lcm(multiple, process_count))
-    lo, hi = host_rows(batch_size, process_index, process_count)
-    num_batches = math.ceil(n / batch_size)
-    position = np.arange(num_batches * batch_size)
+    size = eval_batch_size(n, batch_size, math.lcm(multiple, process_count))
+    return _layout(n, size, process_index, process_count)
+
+
+def _layout(n: int, size: int, process_index: int, process_count: int):
+    """``eval_layout`` in global batches of exactly ``size``, the last one padded."""
+    lo, hi = host_rows(size, process_index, process_count)
+    num_batches = math.ceil(n / size)
+    position = np.arange(num_batches * size)
     mask = position < n
-    position = np.where(mask, position, 0).reshape(num_batches, batch_size)[:, lo:hi]
-    return position, mask.reshape(num_batches, batch_size)[:, lo:hi]
+    position = np.where(mask, position, 0).reshape(num_batches, size)[:, lo:hi]
+    return position, mask.reshape(num_batches, size)[:, lo:hi]
+
+
+def eval_blocks(
+    n: int, batch_size: int, process_index: int = 0, process_count: int = 1, multiple: int = 1
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The evaluation layout of a split of ``n`` as blocks of :func:`eval_layout`'s
+    ``(position, mask)``: the whole batches of :func:`eval_batch_size` (no padding), then
+    the rest in one batch of ``eval_batch_size(rest, batch_size)``; the positions run
+    over the split in order."""
+    multiple = math.lcm(multiple, process_count)
+    size = eval_batch_size(n, batch_size, multiple)
+    whole = n // size * size
+    blocks = []
+    if whole:
+        blocks.append(_layout(whole, size, process_index, process_count))
+    if n > whole:
+        rest = eval_batch_size(n - whole, batch_size, multiple)
+        position, mask = _layout(n - whole, rest, process_index, process_count)
+        blocks.append((np.where(mask, position + whole, 0), mask))
+    return blocks
 
 
 def processes(process_index, process_count) -> tuple[int, int]:

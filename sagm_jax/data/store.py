@@ -48,10 +48,16 @@ machine on a 1.5 GiB file in the page cache: ``zlib.crc32`` over 16 MiB chunks 0
 A cold read is bounded by the disk instead (about 1-3 s per GB on a local SSD), and it
 also warms the page cache the training then reads from.
 
-``StreamingSource`` has the same interface and decodes on every call, for datasets too
-big to store (DomainNet). It uses PIL's ``draft("RGB", (w, h))``: JPEGs are decoded
-with libjpeg's scaled IDCT at 1/2, 1/4 or 1/8 of full size when that is still at least
-the wanted size, then resized exactly to the stored shape (or S x S). Its pixels equal
+Where the decoded store is over budget (DomainNet), ``jpeg_store.CompressedStore`` keeps
+the same images as JPEG records in a few large files (decoded once from the originals as
+here, re-encoded at quality 95 or kept as their original bytes) and decodes them at each
+use; it reuses this module's key, manifest, checks, atomic build and worker processes.
+``open_source`` chooses between the kinds (its doc).
+
+``StreamingSource`` has the same interface and decodes the original files on every call,
+for datasets too big for either store. It uses PIL's ``draft("RGB", (w, h))``: JPEGs are
+decoded with libjpeg's scaled IDCT at 1/2, 1/4 or 1/8 of full size when that is still at
+least the wanted size, then resized exactly to the stored shape (or S x S). Its pixels equal
 the store's when no reduction applies (non-JPEG files, and JPEGs less than twice the
 wanted size: PACS, and 640x480 to 320x427); when one does, the DCT-domain reduction
 (about a box average) stands in for part of PIL's antialiased bilinear shrink, so
@@ -141,9 +147,7 @@ def _flat_paths(index) -> list[str]:
     return [p for env in index.paths for p in env]
 
 
-def store_key(
-    root: str, paths: list[str], image_size: int, short_side: int, kind: str = ""
-) -> str:
+def store_key(root: str, paths: list[str], image_size: int, short_side: int, kind: str = "") -> str:
     """SHA-256 over the store kind and version (``kind``: '' is this decoded store's
     ``image store v1``; another kind of store names its own, so the two never share a key),
     the sizes and every file's (relative path, size, mtime_ns)."""
@@ -774,7 +778,7 @@ def open_source(
     image_size: int = 224,
     short_side: int = 320,
     mode: str = "auto",
-    budget_gb: float = 32.0,
+    budget_gb: float = 64.0,
     cache_dir: str | None = None,
     workers: int | None = None,
     progress: bool = True,
@@ -789,8 +793,8 @@ def open_source(
     2. the decoded store, if its estimated size (from the images' header sizes, stored
        shapes, plus the eval images: ``estimate_store_bytes``) fits ``budget_gb`` GiB and
        the free disk;
-    3. else the compressed store (an existing one, or built) if its estimate
-       (``jpeg_store.estimate_bytes``: measured bytes per stored pixel) fits both too;
+    3. else a valid existing compressed store, whatever its size; else a new one if its
+       estimate (``jpeg_store.estimate_bytes``: measured bytes per stored pixel) fits both;
     4. else streaming.
 
     Each choice is logged with the sizes behind it. The compressed store is held to the
@@ -812,7 +816,7 @@ def open_source(
 
     stores_dir = cache_folder("stores", cache_dir)
     os.makedirs(stores_dir, exist_ok=True)
-    options = dict(image_size=image_size, short_side=short_side, workers=workers)
+    options = {"image_size": image_size, "short_side": short_side, "workers": workers}
     if mode == "compressed":
         return jpeg_store.open_store(index, stores_dir=stores_dir, progress=progress, **options)
     key = store_key(index.root, paths, image_size, short_side)
@@ -824,6 +828,12 @@ def open_source(
     sizes = read_sizes(paths, progress=progress)
     need = estimate_store_bytes(sizes, image_size, short_side)
     if _too_big_to_store(index.root, stores_dir, need, mode=mode, budget_gb=budget_gb):
+        found = jpeg_store.open_existing(
+            index, image_size=image_size, short_side=short_side, stores_dir=stores_dir
+        )
+        if found is not None:  # like a decoded store, used whatever its size
+            log.info("Using the existing compressed store %s.", found.path)
+            return found
         compressed = jpeg_store.estimate_bytes(sizes, image_size, short_side)
         free = shutil.disk_usage(stores_dir).free
         if compressed <= min(budget_gb * 2**30, free):
@@ -834,7 +844,7 @@ def open_source(
                 compressed / 2**30,
                 jpeg_store.BYTES_PER_PIXEL,
             )
-            return jpeg_store.open_store(
+            return jpeg_store.build(
                 index, sizes=sizes, stores_dir=stores_dir, progress=progress, **options
             )
         log.info(

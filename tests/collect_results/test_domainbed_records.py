@@ -17,7 +17,11 @@ accesses and arithmetic. It mirrors, in facebookresearch/DomainBed:
   ``i`` != the test env; ``test_acc`` = ``env{t}_in_acc``; ``Q.argmax`` = Python's
   ``max`` over the records: the first of equal steps) and
   ``OracleSelectionMethod`` (the record with the largest ``step``; ``env{t}_out_acc``
-  ranks, ``env{t}_in_acc`` is reported);
+  ranks, ``env{t}_in_acc`` is reported) and ``LeaveOneOutSelectionMethod`` (a group's
+  records by ``step``, in sorted order; at a step, exactly one record of a single-test-env
+  run, and for each other environment ``v`` a pair run ``(t, v)`` whose ``env{v}_in_acc``
+  fills ``val_accs[v]``; ``n_envs`` counts ``env{i}_out_acc`` of the step's first
+  record; a missing ``v`` skips the step; ``val_acc = sum / (n_envs - 1)``);
 * ``domainbed/scripts/collect_results.py``: ``format_mean`` (``100 * mean``,
   ``100 * std / sqrt(n)``, ``"{:.1f} +/- {:.1f}"``) and ``print_results_tables`` (the
   datasets DomainBed knows, one row per ``args.algorithm``, one column per test env).
@@ -90,6 +94,39 @@ def oracle_run_acc(run_records):
     return {"val_acc": last[f"env{test_env}_out_acc"], "test_acc": last[f"env{test_env}_in_acc"]}
 
 
+def loo_step_acc(records):
+    test_records = [r for r in records if len(r["args"]["test_envs"]) == 1]
+    if len(test_records) != 1:
+        return None
+    test_env = test_records[0]["args"]["test_envs"][0]
+    n_envs = 0
+    for i in itertools.count():
+        if f"env{i}_out_acc" not in records[0]:
+            break
+        n_envs += 1
+    val_accs = np.zeros(n_envs) - 1
+    for r in records:
+        if len(r["args"]["test_envs"]) == 2:
+            val_env = (set(r["args"]["test_envs"]) - {test_env}).pop()
+            val_accs[val_env] = r[f"env{val_env}_in_acc"]
+    val_accs = list(val_accs[:test_env]) + list(val_accs[test_env + 1 :])
+    if any(v == -1 for v in val_accs):
+        return None
+    return {
+        "val_acc": np.sum(val_accs) / (n_envs - 1),
+        "test_acc": test_records[0][f"env{test_env}_in_acc"],
+    }
+
+
+def loo_run_acc(run_records):
+    by_step = collections.defaultdict(list)
+    for r in run_records:
+        by_step[r["step"]].append(r)
+    accs = [loo_step_acc(by_step[step]) for step in sorted(by_step)]  # Q.group: sorted keys
+    accs = [a for a in accs if a is not None]
+    return max(accs, key=lambda a: a["val_acc"]) if accs else None
+
+
 def sweep_acc(records, run_acc):
     by_hparams = collections.defaultdict(list)
     for r in records:
@@ -104,16 +141,22 @@ def sweep_acc(records, run_acc):
     return accs[0]["test_acc"] if accs else None
 
 
-def domainbed_tables(input_dir, run_acc=iid_run_acc):
-    """``{dataset: {algorithm: [cell per test env] + [avg]}}`` as DomainBed prints them."""
-    records = load_records(input_dir)
+def domainbed_accs(records, run_acc=iid_run_acc):
+    """``{(trial_seed, dataset, algorithm, test_env): test accuracy}`` as DomainBed's
+    ``sweep_acc`` selects it for each group of ``get_grouped_records``."""
     groups = collections.defaultdict(list)
     for r in records:
         for test_env in r["args"]["test_envs"]:
             key = (r["args"]["trial_seed"], r["args"]["dataset"], r["args"]["algorithm"], test_env)
             groups[key].append(r)
     accs = {k: sweep_acc(rs, run_acc) for k, rs in groups.items()}
-    accs = {k: a for k, a in accs.items() if a is not None}
+    return {k: a for k, a in accs.items() if a is not None}
+
+
+def domainbed_tables(input_dir, run_acc=iid_run_acc):
+    """``{dataset: {algorithm: [cell per test env] + [avg]}}`` as DomainBed prints them."""
+    records = load_records(input_dir)
+    accs = domainbed_accs(records, run_acc)
     algorithms = sorted({r["args"]["algorithm"] for r in records})
     tables = {}
     for dataset in [d for d in DOMAINBED_DATASETS if d in {r["args"]["dataset"] for r in records}]:
@@ -364,6 +407,69 @@ def test_hparams_seed_names_the_setting_not_the_test_env_or_seed():
     assert 0 <= rundir.hparams_seed(config) < 2**31
 
 
+def write_golden_sweep_flat(root, eval_splits):
+    """The finished out-of-domain runs of the golden sweep (golden_records.json; no
+    MixStyle, whose runs DomainBed would file under the same ``args.algorithm``), one
+    level deep as DomainBed's ``load_records`` reads them, each record with
+    ``args.hparams_seed`` as sagm_jax.train writes it. With ``eval_splits="fast"`` the
+    records are what fast mode writes, by the rule written out here (SWAD's evaluator's):
+    no 'in' accuracy of a training environment. Returns ``{algorithm: row label}``."""
+    with open(os.path.join(HERE, "golden_records.json")) as f:
+        runs = json.load(f)
+    labels = {}
+    for run in runs:
+        config = {**run["config"], "eval_splits": eval_splits}
+        if not run["done"] or config["split"] != "domainbed" or config["mixstyle"]:
+            continue
+        folder = os.path.join(root, os.path.basename(run["path"]))
+        os.makedirs(folder)
+        args = {k: config[k] for k in ("dataset", "algorithm", "test_envs", "trial_seed", "seed")}
+        args.update(hparams_seed=rundir.hparams_seed(config), output_dir=folder)
+        train_envs = [e for e in range(4) if e not in args["test_envs"]]
+        dropped = {f"env{e}_in_acc" for e in train_envs} if eval_splits == "fast" else set()
+        with open(os.path.join(folder, "results.jsonl"), "w") as f:
+            for record in run["records"]:
+                record = {k: v for k, v in record.items() if k not in dropped}
+                record = {**record, "args": args, "config": config}
+                labels[config["algorithm"]] = collect_results.method_name(record)
+                f.write(json.dumps(record) + "\n")
+        open(os.path.join(folder, "done"), "w").close()
+    return labels
+
+
+@pytest.mark.parametrize(
+    "run_acc,ours",
+    [
+        (iid_run_acc, "training_domain"),
+        (oracle_run_acc, "oracle_last"),
+        (loo_run_acc, "leave_one_out"),
+    ],
+)
+def test_domainbeds_reader_selects_alike_from_fast_and_all_split_records(tmp_path, run_acc, ours):
+    """DomainBed's own selection methods (training-domain validation, the oracle and
+    leave-one-domain-out, re-stated above) read fast records: each group's accuracy is
+    the one they select from the all-split records, and the one our collector selects."""
+    labels = write_golden_sweep_flat(str(tmp_path / "all"), "all")
+    write_golden_sweep_flat(str(tmp_path / "fast"), "fast")
+    fast_records = load_records(str(tmp_path / "fast"))
+    single = next(r for r in fast_records if r["args"]["test_envs"] == [0])
+    assert "env0_in_acc" in single and "env1_in_acc" not in single and "env1_out_acc" in single
+    expected = domainbed_accs(load_records(str(tmp_path / "all")), run_acc)
+    assert domainbed_accs(fast_records, run_acc) == expected
+    # Every (dataset, algorithm) has cells; leave-one-domain-out only where pairs exist.
+    assert {(d, a) for _, d, a, _ in expected} == (
+        {("PACS", "erm"), ("PACS", "sagm")}
+        if ours == "leave_one_out"
+        else {(d, a) for d in ("PACS", "VLCS") for a in ("erm", "sam", "sagm")}
+    )
+    groups = collect_results.group_runs(collect_results.load_runs(str(tmp_path / "fast"))[0])
+    by_label = {label: algorithm for algorithm, label in labels.items()}
+    assert {
+        (seed, dataset, by_label[method], t): acc
+        for (_, dataset, method, seed, t), acc in collect_results.select(groups, ours).items()
+    } == expected
+
+
 def write_pacs_tree(root, n=2):
     """A stand-in PACS: its four domain folders, seven classes, tiny images."""
     rng = np.random.default_rng(0)
@@ -406,6 +512,14 @@ def test_domainbeds_reader_prints_tables_from_our_sweep(tmp_path, monkeypatch):
     errors = [open(os.path.join(j.directory, "err.txt")).read()[-2000:] for j in jobs]
     assert len(result["finished"]) == 2, errors
     records = load_records(output)
+    # The default, eval_splits="fast": the training environments' 'in' parts are not
+    # evaluated, and DomainBed's reader below reads such records all the same.
+    for r in records:
+        assert r["config"]["eval_splits"] == "fast"
+        assert {k for k in r if k.endswith("_acc")} == {
+            "env0_in_acc",
+            *(f"env{e}_out_acc" for e in range(4)),
+        }
     assert all("hparams_seed" in r["args"] for r in records), (
         "every record must hold args.hparams_seed = rundir.hparams_seed(config_dict)"
     )

@@ -60,6 +60,16 @@ def test_train_batches_resume_and_split_across_hosts(folder_data):
         ds.train_iterator([0, 1], seed=1, batch_per_env=3, process_index=0, process_count=4)
 
 
+def smallest_batch_holding(n, batch_size, multiple):
+    """The evaluation batch rule written as a search: the allowed sizes are
+    ``multiple * 2**k`` up to the step (the largest of them at most batch_size / 8) and
+    the step's multiples up to batch_size; the smallest one that holds ``n``."""
+    powers = [multiple * 2**k for k in range(20) if multiple * 2**k <= batch_size]
+    step = max([p for p in powers if p <= batch_size // 8] or [multiple])
+    allowed = [p for p in powers if p <= step] + list(range(step, batch_size + 1, step))
+    return min([a for a in allowed if a >= n] or [batch_size])
+
+
 @pytest.mark.parametrize("part,batch_size", [("in", 5), ("out", 3), ("in", 64)])
 def test_eval_visits_every_example_once(folder_data, part, batch_size):
     ds = folder_data
@@ -69,11 +79,14 @@ def test_eval_visits_every_example_once(folder_data, part, batch_size):
             ds.eval_iterator(env, part, batch_size=batch_size, process_index=0, process_count=1)
         )
         size = data.eval_batch_size(len(indices), batch_size)  # a small split: smaller
-        assert size <= batch_size and all(b["image"].shape[0] == size for b in batches)
+        whole, rest = divmod(len(indices), size)
+        # Whole batches of ``size``, then the rest in the smallest allowed size holding it.
+        expected = [size] * whole + ([smallest_batch_holding(rest, batch_size, 1)] if rest else [])
+        assert [b["image"].shape[0] for b in batches] == expected
+        assert all(b["mask"].all() for b in batches[:whole])
         labels = np.concatenate([b["label"][b["mask"]] for b in batches])
         assert int(sum(b["mask"].sum() for b in batches)) == len(indices)
         np.testing.assert_array_equal(labels, ds.folder.labels[env][indices])
-        assert len(batches) == -(-len(indices) // size)
 
 
 def test_eval_images_are_the_squashed_files(folder_data):
@@ -149,7 +162,8 @@ def test_every_source_yields_the_same_examples(folder_data, tmp_path):
             for a, b in zip(ours, theirs):
                 np.testing.assert_array_equal(a["label"], b["label"])
                 np.testing.assert_array_equal(a["mask"], b["mask"])
-                assert a["image"].shape == (4, 32, 32, 3) and a["image"].dtype == np.uint8
+                assert a["image"].shape == (len(b["label"]), 32, 32, 3)
+                assert a["image"].dtype == np.uint8
         ours, theirs = (
             d.train_iterator([0, 1], seed=2, batch_per_env=3, process_index=0, process_count=1)
             for d in (ds, folder_data)

@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import sagm_jax.data as data
@@ -53,3 +54,34 @@ def test_global_batch_on_eight_device_mesh():
     shards = placed["image"].addressable_shards
     assert len(shards) == 8 and all(s.data.shape == (16, 28, 28, 1) for s in shards)
     np.testing.assert_array_equal(np.asarray(placed["label"]), batch["label"])
+
+
+@pytest.mark.parametrize(
+    "n,batch,multiple,processes,shapes",
+    [
+        (409, 128, 1, 1, [(3, 128), (1, 32)]),  # 384 in whole batches, 25 in a batch of 32
+        (384, 128, 1, 1, [(3, 128)]),  # no rest, no padding
+        (5, 128, 4, 1, [(1, 8)]),  # smaller than a batch: one small batch
+        (1000, 512, 8, 2, [(1, 256), (1, 256)]),  # 488 left: 512; per host 256 columns
+        (130, 64, 8, 1, [(2, 64), (1, 8)]),
+    ],
+)
+def test_eval_blocks_cover_the_split_once_with_padding_only_in_the_last_batch(
+    n, batch, multiple, processes, shapes
+):
+    seen = []
+    for p in range(processes):
+        blocks = data.eval_blocks(n, batch, p, processes, multiple)
+        assert [position.shape for position, _ in blocks] == shapes
+        for position, mask in blocks:
+            assert position.shape == mask.shape and not (~mask[:-1]).any()  # whole rows
+            seen.extend(position[mask].tolist())
+            assert (position[~mask] == 0).all()
+    assert sorted(seen) == list(range(n))
+    # Padding: below the last batch's size, at most the rounding to multiple * 2**k.
+    rows = sum(
+        position.size
+        for p in range(processes)
+        for position, _ in data.eval_blocks(n, batch, p, processes, multiple)
+    )
+    assert rows - n < shapes[-1][1] * processes
