@@ -2,6 +2,7 @@
 run and kept where the budgets allow (accelerator, host memory, or read again), with the
 same results in every case; and the evaluation batch's throughput default."""
 
+import os
 import types
 
 import jax
@@ -11,9 +12,9 @@ from jax.sharding import Mesh
 
 from sagm_jax import data as data_lib
 from sagm_jax import evaluation
+from sagm_jax.data.pipeline import eval_blocks
 from sagm_jax.evaluation import DEVICE, HOST, Evaluator
-from tests.data.test_dataset import smallest_batch_holding
-from tests.test_evaluation import Linear, digits_config
+from test_evaluation import Linear, digits_config
 
 GiB = 2**30
 
@@ -40,14 +41,15 @@ def counting_evaluator(config, budgets=None, monkeypatch=None):
 
 
 def padded_rows(evaluator) -> int:
-    """Rows (padding included) of every evaluated part: whole batches, then the rest in
-    the smallest allowed batch (``smallest_batch_holding``; 8: the fake devices)."""
-    total = 0
-    for env, part in evaluator.parts:
-        n, b = len(evaluator.dataset.splits[env][part]), evaluator.batch_size
-        rest = n % b
-        total += n - rest + (smallest_batch_holding(rest, b, 8) if rest else 0)
-    return total
+    """Rows (padding included) of every evaluated part in the evaluation layout
+    (``pipeline.eval_blocks``, tested in tests/data; 8: the fake devices)."""
+    return sum(
+        position.size
+        for env, part in evaluator.parts
+        for position, _ in eval_blocks(
+            len(evaluator.dataset.splits[env][part]), evaluator.batch_size, multiple=8
+        )
+    )
 
 
 @pytest.mark.parametrize("eval_splits", ["fast", "all"])
@@ -116,10 +118,19 @@ def test_a_streamed_image_folder_is_decoded_at_the_first_evaluation_only(tmp_pat
     evaluation and never again in the run: the counted decoder is PIL's, store.decode_draft."""
     from sagm_jax import cli
     from sagm_jax.data import store
-    from tests.data.data_fixtures import make_tree
 
-    make_tree(str(tmp_path / "tree"), nested=False)
-    config = cli.load_config_file("configs/image_folder.py")
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for domain in ("d0", "d1", "d2"):
+        for cls in ("a", "b"):
+            folder = tmp_path / "tree" / domain / cls
+            folder.mkdir(parents=True)
+            for k in range(6):
+                pixels = rng.integers(0, 256, (40 + 8 * k, 30, 3), np.uint8)
+                Image.fromarray(pixels).save(folder / f"{k}.jpg")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    config = cli.load_config_file(os.path.join(repo, "configs", "image_folder.py"))
     config.update(
         data_dir=str(tmp_path / "tree"),
         image_store="stream",
