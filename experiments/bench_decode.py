@@ -57,7 +57,7 @@ import numpy as np
 import simplejpeg
 from PIL import Image, ImageDraw, features
 
-from sagm_jax.data import image_folder, jpeg_store, store
+from sagm_jax.data import canvas, image_folder, jpeg_store, store
 
 IMAGE_SIZE, SHORT_SIDE = 224, 320
 # One H100 (experiments/device_report.py's figures): a bf16 SAGM step consumes about 2,700
@@ -369,7 +369,7 @@ def main():
     paths = [p for env in index.paths for p in env]
     sizes = store.read_sizes(paths, progress=False)
     start = time.perf_counter()
-    compressed = store.open_source(
+    compressed = canvas.open_source(
         index,
         image_size=IMAGE_SIZE,
         short_side=SHORT_SIDE,

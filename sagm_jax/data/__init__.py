@@ -7,7 +7,8 @@ DomainBed's split rule (``domainbed_splits``, ``splits.py``), sampling and batch
 (``pipeline.py``), reading and checking image folders (``image_folder.py``, and where the
 caches live: ``cache_folder``), and the sources: the in-memory MNIST-like datasets
 (``mnist.py``, ``ArraySource``), the images decoded once into a store, or streamed, for
-on-accelerator augmentation (``store.py``, ``CanvasSource``), tf.data on the host
+on-accelerator augmentation (``store.py``, ``jpeg_store.py``; ``canvas.py`` chooses and
+serves them), tf.data on the host
 (``tf_input.py``, with the augmentations of ``augment.py``); and the ``verify`` command
 (``python -m sagm_jax.data.verify``).
 
@@ -45,7 +46,8 @@ from sagm_jax.data.splits import (
     seed_hash,
     write_split_record,
 )
-from sagm_jax.data.store import CanvasSource, ImageStore, StreamingSource, open_source
+from sagm_jax.data.canvas import CanvasSource, open_source
+from sagm_jax.data.store import ImageStore, StreamingSource
 
 __all__ = [
     "DATASETS",

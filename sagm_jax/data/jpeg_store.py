@@ -3,7 +3,7 @@
 Owns the store for image folders whose decoded store (``store.py``) exceeds the disk
 budget (DomainNet: about 250-270 GiB decoded): ``CompressedStore`` has the interface of
 ``store.ImageStore`` (``gather``, ``eval_images``, ``len``, ``close``), so
-``store.CanvasSource`` serves it unchanged, and ``store.open_source(mode="compressed")``
+``canvas.CanvasSource`` serves it unchanged, and ``canvas.open_source(mode="compressed")``
 (or ``"auto"``, when the decoded store is over budget) opens it. No TensorFlow here.
 
 What is stored, per image (flat id order, as ``FolderIndex.paths``):
@@ -234,7 +234,7 @@ class _Stream:
 
 class CompressedStore:
     """A compressed store, memory-mapped read-only and decoded by a thread pool (module doc).
-    Open with ``CompressedStore.open``, ``open_store`` or ``store.open_source``."""
+    Open with ``CompressedStore.open``, ``open_store`` or ``canvas.open_source``."""
 
     def __init__(self, path, manifest, shapes, kept, streams, threads=None):
         self.path = path

@@ -216,7 +216,7 @@ def load(
     published ones (``verify`` reports the differences after printing the counts).
     open_images: for image folders, ``(FolderIndex, image_size) -> dataset.Source``,
     where the batches come from (default tf.data, :func:`tf_data_source`;
-    ``store.CanvasSource.open`` for the decoded store); None opens the split alone.
+    ``canvas.CanvasSource.open`` for the decoded store); None opens the split alone.
     """
     from sagm_jax.data import image_folder
     from sagm_jax.data.dataset import DomainBedData

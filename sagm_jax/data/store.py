@@ -2,8 +2,8 @@
 
 Owns the host side of the image-folder input for on-accelerator augmentation
 (``device_augment.py``): the host only gathers uint8 images onto a zero-padded canvas
-with each image's true ``(h, w)``, and the evaluation images; ``CanvasSource`` serves a
-dataset's batches from them (the ``dataset.Source`` of ``config.input='device'``). No
+with each image's true ``(h, w)``, and the evaluation images; ``canvas.CanvasSource``
+serves a dataset's batches from them (the ``dataset.Source`` of ``config.input='device'``). No
 TensorFlow here.
 
 Decoding is torchvision's loader, ``Image.open(path).convert("RGB")``, so the pixels
@@ -52,7 +52,7 @@ Where the decoded store is over budget (DomainNet), ``jpeg_store.CompressedStore
 the same images as JPEG records in a few large files (decoded once from the originals as
 here, re-encoded at quality 95 or kept as their original bytes) and decodes them at each
 use; it reuses this module's key, manifest, checks, atomic build and worker processes.
-``open_source`` chooses between the kinds (its doc).
+``canvas.open_source`` chooses between the kinds (its doc).
 
 ``StreamingSource`` has the same interface and decodes the original files on every call,
 for datasets too big for either store. It uses PIL's ``draft("RGB", (w, h))``: JPEGs are
@@ -95,7 +95,7 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from sagm_jax.data.image_folder import BadImageError, cache_folder
+from sagm_jax.data.image_folder import BadImageError
 
 log = logging.getLogger(__name__)
 
@@ -331,7 +331,7 @@ def _load_layout(path: str, files: dict, n: int, s: int) -> tuple[np.ndarray, np
 
 class ImageStore:
     """A decoded store, memory-mapped read-only (module doc). Open with ``ImageStore.open``
-    or ``open_source``."""
+    or ``canvas.open_source``."""
 
     def __init__(self, path, manifest, shapes, offsets, pixels, evals):
         self.path = path
@@ -439,47 +439,6 @@ class StreamingSource:
 
         list(self._pool.map(one, range(len(ids))))
         return out
-
-
-class CanvasSource:
-    """The ``dataset.Source`` of an image folder served from decoded ``images`` (an
-    ``ImageStore`` or a ``StreamingSource``) with the int32 ``labels`` of its flat ids:
-    the host only gathers uint8 rows, and the augmentation runs on the accelerator
-    (``device_augment.py``, keyed by each example's position in the global batch).
-    Training batches carry ``{'image': uint8 canvases, 'hw', 'label', 'position'}``;
-    evaluation batches the decoded uint8 evaluation images."""
-
-    def __init__(self, images: ImageStore | StreamingSource, labels: np.ndarray):
-        self.images = images
-        self.labels = np.asarray(labels, np.int32)
-
-    @classmethod
-    def open(cls, index, image_size: int, **options) -> CanvasSource:
-        """The folder ``index``'s images through ``open_source(index, image_size=image_size,
-        **options)``."""
-        images = open_source(index, image_size=image_size, **options)
-        return cls(images, np.concatenate(index.labels))
-
-    def train_batches(self, ids_at, positions, *, start_step: int, seed: int):
-        """``dataset.Source.train_batches``; ``seed`` is the device augmentation's."""
-        del seed
-        for step in itertools.count(start_step):
-            ids = ids_at(step)
-            images, hw = self.images.gather(ids)
-            yield {"image": images, "hw": hw, "label": self.labels[ids], "position": positions}
-
-    def eval_batches(self, ids, mask, position, *, augment: bool, seed: int):
-        """``dataset.Source.eval_batches``: the evaluation images; with ``augment``,
-        canvases for the device augmentation keyed by the example's position in the split."""
-        del seed
-        for row_ids, row_mask, row_position in zip(ids, mask, position):
-            batch = {"label": self.labels[row_ids], "mask": row_mask}
-            if augment:
-                batch["image"], batch["hw"] = self.images.gather(row_ids)
-                batch["position"] = row_position.astype(np.int32)
-            else:
-                batch["image"] = self.images.eval_images(row_ids)
-            yield batch
 
 
 # ---- building and finding stores ---------------------------------------------------
@@ -772,105 +731,6 @@ def _rename_into_place(tmp: str, final: str, key: str, n: int, opener=None):
     return None
 
 
-def open_source(
-    index,
-    *,
-    image_size: int = 224,
-    short_side: int = 320,
-    mode: str = "auto",
-    budget_gb: float = 64.0,
-    cache_dir: str | None = None,
-    workers: int | None = None,
-    progress: bool = True,
-):
-    """The images of the folder ``index`` as an ``ImageStore``, a ``jpeg_store.CompressedStore``
-    or a ``StreamingSource`` (one interface: ``gather``, ``eval_images``, ``len``, ``close``).
-
-    mode 'cache': build (or reuse) the decoded store; 'compressed': build (or reuse) the
-    compressed store (``jpeg_store``); 'stream': StreamingSource; 'auto': in this order,
-
-    1. a valid existing decoded store, whatever its size;
-    2. the decoded store, if its estimated size (from the images' header sizes, stored
-       shapes, plus the eval images: ``estimate_store_bytes``) fits ``budget_gb`` GiB and
-       the free disk;
-    3. else a valid existing compressed store, whatever its size; else a new one if its
-       estimate (``jpeg_store.estimate_bytes``: measured bytes per stored pixel) fits both;
-    4. else streaming.
-
-    Each choice is logged with the sizes behind it. The compressed store is held to the
-    same budget as the decoded one: ``budget_gb`` is what a store may take on disk.
-    'cache' and 'compressed' raise OSError when the disk has too little free space.
-    cache_dir: the cache root (None: the default, ``image_folder.cache_folder``), under a
-    'stores' sub-folder. workers: decoding processes of a build (None = the usable CPU
-    cores; 1 = decode in this process)."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if image_size < 1 or short_side < 1:
-        raise ValueError(f"image_size and short_side must be >= 1, got {image_size}, {short_side}")
-    from sagm_jax.data import jpeg_store  # it builds on this module
-
-    paths = _flat_paths(index)
-    if mode == "stream":
-        sizes = read_sizes(paths, progress=progress)
-        return StreamingSource(paths, sizes, image_size=image_size, short_side=short_side)
-
-    stores_dir = cache_folder("stores", cache_dir)
-    os.makedirs(stores_dir, exist_ok=True)
-    options = {"image_size": image_size, "short_side": short_side, "workers": workers}
-    if mode == "compressed":
-        return jpeg_store.open_store(index, stores_dir=stores_dir, progress=progress, **options)
-    key = store_key(index.root, paths, image_size, short_side)
-    final = os.path.join(stores_dir, key)
-    reused = _open_existing(stores_dir, final, index.root, key, len(paths), image_size, short_side)
-    if reused is not None:
-        return reused
-
-    sizes = read_sizes(paths, progress=progress)
-    need = estimate_store_bytes(sizes, image_size, short_side)
-    if _too_big_to_store(index.root, stores_dir, need, mode=mode, budget_gb=budget_gb):
-        found = jpeg_store.open_existing(
-            index, image_size=image_size, short_side=short_side, stores_dir=stores_dir
-        )
-        if found is not None:  # like a decoded store, used whatever its size
-            log.info("Using the existing compressed store %s.", found.path)
-            return found
-        compressed = jpeg_store.estimate_bytes(sizes, image_size, short_side)
-        free = shutil.disk_usage(stores_dir).free
-        if compressed <= min(budget_gb * 2**30, free):
-            log.info(
-                "Using the compressed store for %s: it is estimated at %.1f GiB (%.2f bytes "
-                "per stored pixel), within the budget and the free space.",
-                index.root,
-                compressed / 2**30,
-                jpeg_store.BYTES_PER_PIXEL,
-            )
-            return jpeg_store.build(
-                index, sizes=sizes, stores_dir=stores_dir, progress=progress, **options
-            )
-        log.info(
-            "Streaming %s: the compressed store would take about %.1f GiB too (budget %.1f "
-            "GiB, %.1f GiB free in %s).",
-            index.root,
-            compressed / 2**30,
-            budget_gb,
-            free / 2**30,
-            stores_dir,
-        )
-        return StreamingSource(paths, sizes, image_size=image_size, short_side=short_side)
-    log.info("Decoding %d images of %s once into %s.", len(paths), index.root, final)
-    return _build(
-        index,
-        paths,
-        sizes,
-        key,
-        final,
-        image_size=image_size,
-        short_side=short_side,
-        workers=workers,
-        progress=progress,
-    )
-
-
 def _open_existing(
     stores_dir,
     final,
@@ -896,25 +756,3 @@ def _open_existing(
     else:
         _warn_stale(stores_dir, root, key, image_size, short_side, format=format, kind=kind)
     return None
-
-
-def _too_big_to_store(root, stores_dir, need: int, *, mode: str, budget_gb: float) -> bool:
-    """Whether 'auto' passes over (logged) a decoded store of ``need`` bytes; OSError if no room."""
-    free = shutil.disk_usage(stores_dir).free
-    if mode == "auto" and (need > budget_gb * 2**30 or need > free):
-        log.info(
-            "Not decoding %s into a store: it would take %.1f GiB (budget %.1f GiB, %.1f GiB "
-            "free in %s).",
-            root,
-            need / 2**30,
-            budget_gb,
-            free / 2**30,
-            stores_dir,
-        )
-        return True
-    if need > free:
-        raise OSError(
-            f"The decoded store of {root} needs {need / 2**30:.1f} GiB but {stores_dir} "
-            f"has {free / 2**30:.1f} GiB free; free space, set cache_dir elsewhere, or stream."
-        )
-    return False

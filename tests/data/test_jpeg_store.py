@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from sagm_jax.data import image_folder, jpeg_store, store
+from sagm_jax.data import canvas, image_folder, jpeg_store, store
 
 SHORT, S = 24, 16  # short_side and image_size of the tests' stores
 # (width, height, format): JPEGs within the bounded size (kept as their bytes), larger ones
@@ -68,7 +68,7 @@ def make_index(root, domains=("d0", "d1"), files=FILES):
 
 def open_compressed(index, cache, **kwargs):
     kwargs = {"mode": "compressed", "workers": 1, "progress": False, **kwargs}
-    return store.open_source(index, image_size=S, short_side=SHORT, cache_dir=str(cache), **kwargs)
+    return canvas.open_source(index, image_size=S, short_side=SHORT, cache_dir=str(cache), **kwargs)
 
 
 def flat(index):
@@ -183,13 +183,13 @@ def test_same_ids_same_batch_and_a_second_open_decodes_nothing(built, monkeypatc
 
 def test_canvas_source_serves_it(built):
     index, _, source = built
-    canvas = store.CanvasSource(source, np.concatenate(index.labels))
+    served = canvas.CanvasSource(source, np.concatenate(index.labels))
     batch = next(
-        canvas.train_batches(lambda step: np.array([step, 2]), np.arange(2), start_step=3, seed=0)
+        served.train_batches(lambda step: np.array([step, 2]), np.arange(2), start_step=3, seed=0)
     )
     np.testing.assert_array_equal(batch["image"], source.gather([3, 2])[0])
-    np.testing.assert_array_equal(batch["label"], canvas.labels[[3, 2]])
-    (evaluation,) = canvas.eval_batches(
+    np.testing.assert_array_equal(batch["label"], served.labels[[3, 2]])
+    (evaluation,) = served.eval_batches(
         np.array([[1, 4]]), np.array([[True, False]]), np.array([[0, 1]]), augment=False, seed=0
     )
     np.testing.assert_array_equal(evaluation["image"], source.eval_images([1, 4]))
@@ -257,7 +257,7 @@ def test_corrupt_store_is_rebuilt_not_used(tmp_path, monkeypatch, caplog, damage
 
 _CONCURRENT_BUILD = """
 import logging, os, sys, time
-from sagm_jax.data import image_folder, jpeg_store, store
+from sagm_jax.data import canvas, image_folder, jpeg_store, store
 
 real = jpeg_store._encode_chunk
 
@@ -272,7 +272,7 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
     jpeg_store._encode_chunk = encode_together
     index = image_folder.scan_image_folder(sys.argv[1], missing_help="", cache_dir=None)
-    source = store.open_source(index, image_size=16, short_side=24, mode="compressed",
+    source = canvas.open_source(index, image_size=16, short_side=24, mode="compressed",
                                cache_dir=sys.argv[2], workers=1, progress=False)
     print("PATH", source.path)
 """

@@ -17,7 +17,7 @@ import pytest
 from data_fixtures import pil_rgb, write_sixteen_bit_tree
 from PIL import Image
 
-from sagm_jax.data import image_folder, store
+from sagm_jax.data import canvas, image_folder, store
 
 SHORT, S = 24, 16  # short_side and image_size of the tests' stores
 # (width, height, format): small (stored as decoded), larger (shrunk), grayscale PNG.
@@ -59,7 +59,7 @@ def make_index(root, domains=("d0", "d1"), classes=("c0", "c1"), files=FILES):
 
 def open_store(index, cache, **kwargs):
     kwargs = {"mode": "cache", "workers": 1, "progress": False, **kwargs}
-    return store.open_source(index, image_size=S, short_side=SHORT, cache_dir=str(cache), **kwargs)
+    return canvas.open_source(index, image_size=S, short_side=SHORT, cache_dir=str(cache), **kwargs)
 
 
 def flat(index):
@@ -256,7 +256,7 @@ def test_concurrent_builds_leave_one_store(tmp_path, monkeypatch, caplog):
 
 def test_streaming_matches_store(built):
     index, _, cached = built
-    streaming = store.open_source(
+    streaming = canvas.open_source(
         index, image_size=S, short_side=SHORT, mode="stream", progress=False
     )
     assert isinstance(streaming, store.StreamingSource)
@@ -325,7 +325,7 @@ def test_sixteen_bit_pixels_are_pils(sixteen_bit_index, tmp_path, mode):
 # ---- a build killed with SIGKILL (issue 21, item 6) ---------------------------------
 _KILLED_BUILD = """
 import os, sys, time
-from sagm_jax.data import image_folder, store
+from sagm_jax.data import canvas, image_folder, store
 
 def slow_chunk(job):  # marks that a worker exists, then outlasts the test
     open(os.path.join(sys.argv[3], str(os.getpid())), "w").close()
@@ -338,7 +338,7 @@ if __name__ == "__main__":
     tree, cache, markers, how = sys.argv[1:5]
     store._decode_chunk = slow_chunk if how == "workers" else dies_mid_build
     index = image_folder.scan_image_folder(tree, missing_help="", cache_dir=None)
-    store.open_source(index, image_size=16, short_side=24, mode="cache", cache_dir=cache,
+    canvas.open_source(index, image_size=16, short_side=24, mode="cache", cache_dir=cache,
                       workers=2 if how == "workers" else 1, progress=False)
 """
 
