@@ -117,15 +117,11 @@ def section_augment(args, report):
         report["augment"][f"{h}x{w}"] = seconds
 
 
-def section_loop(args, report):
-    from sagm_jax import cli, train
-    from sagm_jax.data.pipeline import prefetch_to_mesh
+def pacs_like_config(folder, cache_dir, args, **overrides):
+    """``configs/pacs.py`` on the PACS-like folder ``folder`` (random weights, domain 3
+    held out) at ``args.arch`` and ``args.image_size``, with ``overrides``."""
+    from sagm_jax import cli
 
-    tmp = tempfile.mkdtemp(prefix="device_report_")
-    folder = os.path.join(tmp, "data")
-    start = time.perf_counter()
-    bench_input.write_tree(folder, 227, 227, args.images_per_class)
-    print(f"\n## Real loop on a PACS-like folder ({time.perf_counter() - start:.0f} s to write it)")
     config = cli.load_config_file(os.path.join(REPO, "configs", "pacs.py"))
     config.update(
         dataset="ImageFolder",
@@ -133,10 +129,28 @@ def section_loop(args, report):
         pretrained_weights="none",
         arch=args.arch,
         image_size=args.image_size,
+        cache_dir=cache_dir,
+        test_envs=(3,),
+    )
+    config.update(overrides)
+    return config
+
+
+def section_loop(args, report):
+    from sagm_jax import train
+    from sagm_jax.data.pipeline import prefetch_to_mesh
+
+    tmp = tempfile.mkdtemp(prefix="device_report_")
+    folder = os.path.join(tmp, "data")
+    start = time.perf_counter()
+    bench_input.write_tree(folder, 227, 227, args.images_per_class)
+    print(f"\n## Real loop on a PACS-like folder ({time.perf_counter() - start:.0f} s to write it)")
+    config = pacs_like_config(
+        folder,
+        os.path.join(tmp, "cache"),
+        args,
         batch_per_env=args.batch // 3,
         compute_dtype=args.loop_dtype,
-        cache_dir=os.path.join(tmp, "cache"),
-        test_envs=(3,),
     )
     start = time.perf_counter()
     program = train.setup(config)  # opens the data (builds the store), model, steps
@@ -182,7 +196,8 @@ def section_loop(args, report):
     start = time.perf_counter()
     program.evaluator(state)
     evaluation = time.perf_counter() - start
-    print(f"evaluation pass over all {n_images} images: {evaluation:.2f} s")
+    print(f"evaluation pass (eval_splits={config.eval_splits!r}) of the {n_images} images: "
+          f"{evaluation:.2f} s")
     report["loop"] = {
         "images": n_images,
         "store_build_s": build,
@@ -196,24 +211,15 @@ def section_loop(args, report):
 
 
 def section_eval(args, report):
-    from sagm_jax import cli, evaluation, train
+    from sagm_jax import evaluation, train
     from sagm_jax.data.pipeline import eval_blocks
     from sagm_jax.train_step import apply_model
 
     tmp = tempfile.mkdtemp(prefix="device_report_eval_")
     folder = os.path.join(tmp, "data")
     bench_input.write_tree(folder, 227, 227, args.images_per_class)
-    config = cli.load_config_file(os.path.join(REPO, "configs", "pacs.py"))
-    config.update(
-        dataset="ImageFolder",
-        data_dir=folder,
-        pretrained_weights="none",
-        arch=args.arch,
-        image_size=args.image_size,
-        compute_dtype=args.loop_dtype,
-        cache_dir=os.path.join(tmp, "cache"),
-        test_envs=(3,),
-        eval_splits="all",
+    config = pacs_like_config(
+        folder, os.path.join(tmp, "cache"), args, compute_dtype=args.loop_dtype, eval_splits="all"
     )
     program = train.setup(config)
     state, evaluator, dataset = program.state, program.evaluator, program.dataset

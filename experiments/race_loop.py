@@ -76,6 +76,7 @@ import numpy as np
 
 import bench_input  # experiments/, the script's own folder
 import bench_vs_torch
+import device_report
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_ENVS = (0, 1, 2)
@@ -179,20 +180,11 @@ def our_loop(folder, cache_dir, args, compute_dtype):
     """``(run, close, setup_seconds)``: our real loop, as device_report's ``loop`` section."""
     import jax
 
-    from sagm_jax import cli, train
+    from sagm_jax import train
     from sagm_jax.data.pipeline import prefetch_to_mesh
 
-    config = cli.load_config_file(os.path.join(REPO, "configs", "pacs.py"))
-    config.update(
-        dataset="ImageFolder",
-        data_dir=folder,
-        pretrained_weights="none",
-        arch=args.arch,
-        image_size=args.image_size,
-        batch_per_env=args.batch_per_env,
-        compute_dtype=compute_dtype,
-        cache_dir=cache_dir,
-        test_envs=TEST_ENVS,
+    config = device_report.pacs_like_config(  # held out: domain 3, as TEST_ENVS
+        folder, cache_dir, args, batch_per_env=args.batch_per_env, compute_dtype=compute_dtype
     )
     start = time.perf_counter()
     program = train.setup(config)  # opens the data (builds the store), model, steps
