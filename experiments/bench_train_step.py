@@ -2,7 +2,7 @@
 
     python experiments/bench_train_step.py [--rounds 5] [--steps 3] [--setups NAME ...]
 
-For each model, every algorithm's jitted step (sagm_jax.train_step, the one
+For each model, every algorithm's jitted step (sagm_jax.training.train_step, the one
 training uses) is compiled first; then the timing rounds interleave the
 algorithms, so drift of a noisy machine hits them alike. A step's time is the
 median over rounds of (round time / steps). Peak memory is XLA's buffer plan for
@@ -29,7 +29,7 @@ import numpy as np
 import sagm_jax
 import sagm_jax.cpu
 from sagm_jax import models
-from sagm_jax.train_step import create_train_state, make_train_step
+from sagm_jax.training.train_step import create_train_state, make_train_step
 
 ALGORITHMS = ("erm", "sam", "gsam", "sagm")
 SETUPS = {

@@ -14,7 +14,7 @@ BatchNorm, dropout 0.5 on the pooled feature, a fresh linear layer) and
           Adam(lr, weight_decay=wd).step(0.5 (g + g_p)) at w
 
 (||g|| the norm of the per-tensor norms, as the authors' code takes it). Ours is
-``sagm_jax.train_step.make_train_step`` with ``paper_optimizer``, jitted with the
+``sagm_jax.training.train_step.make_train_step`` with ``paper_optimizer``, jitted with the
 state donated, exactly as training runs it.
 
 ``--device`` picks PyTorch's device (default: ``cuda`` when torch sees one, else
@@ -282,7 +282,7 @@ def ours_setup(
 
     import sagm_jax
     from sagm_jax import models
-    from sagm_jax.train_step import create_train_state, make_train_step
+    from sagm_jax.training.train_step import create_train_state, make_train_step
 
     model = models.create(arch, NUM_CLASSES, dropout_rate=dropout)
     rng = np.random.default_rng(0)

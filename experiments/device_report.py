@@ -137,7 +137,7 @@ def pacs_like_config(folder, cache_dir, args, **overrides):
 
 
 def section_loop(args, report):
-    from sagm_jax import train
+    from sagm_jax.training import train
     from sagm_jax.data.pipeline import prefetch_to_mesh
 
     tmp = tempfile.mkdtemp(prefix="device_report_")
@@ -211,9 +211,10 @@ def section_loop(args, report):
 
 
 def section_eval(args, report):
-    from sagm_jax import evaluation, train
+    from sagm_jax.training import evaluation
+    from sagm_jax.training import train
     from sagm_jax.data.pipeline import eval_blocks
-    from sagm_jax.train_step import apply_model
+    from sagm_jax.training.train_step import apply_model
 
     tmp = tempfile.mkdtemp(prefix="device_report_eval_")
     folder = os.path.join(tmp, "data")

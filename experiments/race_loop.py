@@ -180,7 +180,7 @@ def our_loop(folder, cache_dir, args, compute_dtype):
     """``(run, close, setup_seconds)``: our real loop, as device_report's ``loop`` section."""
     import jax
 
-    from sagm_jax import train
+    from sagm_jax.training import train
     from sagm_jax.data.pipeline import prefetch_to_mesh
 
     config = device_report.pacs_like_config(  # held out: domain 3, as TEST_ENVS

@@ -21,7 +21,7 @@ Sub-packages and modules, each owning one part:
                ``preprocess(workdir, images)`` its input.
 """
 
-from sagm_jax.optimizers import (
+from sagm_jax.methods.update_rules import (
     ALGORITHMS,
     SharpnessAwareState,
     global_norm,
@@ -32,7 +32,7 @@ from sagm_jax.optimizers import (
     sagm,
     sam,
 )
-from sagm_jax.sharpness import sharpness
+from sagm_jax.results.sharpness import sharpness
 
 __all__ = [
     "ALGORITHMS",
@@ -51,16 +51,16 @@ __all__ = [
 
 
 def load_run(workdir: str, which="best"):
-    """A trained run's ``(model, variables, record)``: see :func:`sagm_jax.train.load_run`
+    """A trained run's ``(model, variables, record)``: see :func:`sagm_jax.training.train.load_run`
     (imported on first use, so the optimizers alone stay light)."""
-    from sagm_jax.train import load_run as load
+    from sagm_jax.training.train import load_run as load
 
     return load(workdir, which)
 
 
 def preprocess(workdir: str, images):
     """``images`` as the run in ``workdir`` evaluates them: see
-    :func:`sagm_jax.train.preprocess` (imported on first use, as ``load_run``)."""
-    from sagm_jax.train import preprocess as prepare
+    :func:`sagm_jax.training.train.preprocess` (imported on first use, as ``load_run``)."""
+    from sagm_jax.training.train import preprocess as prepare
 
     return prepare(workdir, images)

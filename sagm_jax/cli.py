@@ -32,7 +32,7 @@ import ml_collections
 from sagm_jax import config as config_lib
 from sagm_jax import models
 from sagm_jax.formatting import flag_value
-from sagm_jax.rundir import find_runs
+from sagm_jax.training.rundir import find_runs
 
 PROGRAM = "python -m sagm_jax.main"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -4,7 +4,7 @@ base ml-collections config built from it, the paper's hyperparameters, and the c
 Every file in ``configs/`` starts from :func:`base_config` and overrides the
 fields its dataset needs; ``--config.key=value`` overrides on the command line.
 :func:`section` gives the values of one section of :data:`FIELDS` to the code that
-owns it (``sagm_jax.train.optimizer_from_config`` takes ``"optimizer"``).
+owns it (``sagm_jax.training.train.optimizer_from_config`` takes ``"optimizer"``).
 :func:`config_problems` runs every field's check and lists every value the run cannot
 honour, one line each, naming the key and what was expected (:func:`validate` raises
 them); :func:`weights_problem` is the one check of the weights (with the file's format
@@ -31,9 +31,9 @@ from sagm_jax.models import ARCHS, WEIGHTS_FILES, weights_url
 from sagm_jax.models.mnist_cnn import CONV_LAYERS, GROUPNORM_GROUPS
 from sagm_jax.models.resnet import ARCHITECTURES as RESNET_ARCHS, MIXSTYLE_STAGES
 from sagm_jax.models.torchvision_weights import ACCEPTED_FORMATS, weights_file_problem
-from sagm_jax.methods import OBJECTIVES, PROCEDURES, UPDATE_RULES, combination_problem
-from sagm_jax.methods import hyperparameters as method_hyperparameters
-from sagm_jax.optimizers import GSAM_ALPHA, SAGM_ALPHA
+from sagm_jax.methods.registry import OBJECTIVES, PROCEDURES, UPDATE_RULES, combination_problem
+from sagm_jax.methods.registry import hyperparameters as method_hyperparameters
+from sagm_jax.methods.update_rules import GSAM_ALPHA, SAGM_ALPHA
 
 # A field's check: (value, config, device_count) -> None, or what was expected.
 # ``device_count`` is JAX's when known (None before JAX starts).
@@ -552,10 +552,10 @@ FIELDS: dict[str, tuple[Field, ...]] = {
 SECTION_TITLES = {
     "data": "data (see sagm_jax.data)",
     "model": "model (see sagm_jax.models)",
-    "method": "objective and method hyperparameters (see sagm_jax.methods, sagm_jax.objectives)",
-    "optimizer": "optimizer (see sagm_jax.optimizers; built by sagm_jax.train)",
-    "step": "train step and devices (see sagm_jax.train_step)",
-    "swad": "SWAD weight averaging (see sagm_jax.swad, sagm_jax.averaging)",
+    "method": "objective and method hyperparameters (see sagm_jax.methods, sagm_jax.methods.objectives)",
+    "optimizer": "optimizer (see sagm_jax.methods.update_rules; built by sagm_jax.training.train)",
+    "step": "train step and devices (see sagm_jax.training.train_step)",
+    "swad": "SWAD weight averaging (see sagm_jax.swad, sagm_jax.swad.averages)",
     "schedule": "schedule",
 }
 

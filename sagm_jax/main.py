@@ -16,7 +16,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from sagm_jax import cli, cpu
-from sagm_jax.rundir import RUN_LOCK
+from sagm_jax.training.rundir import RUN_LOCK
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", lock_config=True, help_string="A configs/*.py file."
@@ -45,7 +45,8 @@ def claim_and_train(config, workdir: str) -> None:
             num_processes=_NUM_PROCESSES.value,
             process_id=_PROCESS_ID.value,
         )
-    from sagm_jax import claims, train as train_lib
+    from sagm_jax import claims
+    from sagm_jax.training import train as train_lib
 
     had_workdir = os.path.exists(workdir)
     # One process trains a run directory at a time (the others' processes share it).

@@ -295,7 +295,8 @@ def test_a_misspelt_key_gets_did_you_mean():
 
 
 def test_the_summary_labels_environments_as_the_tables_do(capsys):
-    from sagm_jax import collect_results, train
+    from sagm_jax.results import collect as collect_results
+    from sagm_jax.training import train
 
     records = []
     for step, accs in ((0, [0.1, 0.5, 0.5]), (10, [0.25, 0.8, 0.9])):

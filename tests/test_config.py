@@ -363,7 +363,7 @@ def test_section_gives_one_sections_values():
 def test_config_checks_take_their_names_from_the_registries():
     from sagm_jax.data import registry
     from sagm_jax.models import ARCHS, create
-    from sagm_jax.methods import OBJECTIVES, UPDATE_RULES
+    from sagm_jax.methods.registry import OBJECTIVES, UPDATE_RULES
 
     checks = {field.key: field.check for field in all_fields()}
     assert checks["algorithm"].names == tuple(UPDATE_RULES)
@@ -437,7 +437,7 @@ RESULT_FREE = dict(
 
 
 def test_settings_that_do_not_change_the_result_keep_hparams_seed():
-    from sagm_jax.rundir import hparams_seed
+    from sagm_jax.training.rundir import hparams_seed
 
     config = base_config().to_dict()
     expected = _md5_seed(
@@ -458,7 +458,7 @@ def test_settings_that_do_not_change_the_result_keep_hparams_seed():
 
 
 def test_the_result_tables_group_runs_across_such_settings():
-    from sagm_jax.collect_results import setting_key
+    from sagm_jax.results.collect import setting_key
 
     config = base_config().to_dict()
 
@@ -470,7 +470,7 @@ def test_the_result_tables_group_runs_across_such_settings():
 
 
 def test_a_relaunch_changing_only_such_settings_is_accepted(tmp_path):
-    from sagm_jax.rundir import RunDir, write_json
+    from sagm_jax.training.rundir import RunDir, write_json
 
     config = base_config().to_dict()
     write_json(str(tmp_path / "config.json"), config)

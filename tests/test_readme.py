@@ -71,7 +71,7 @@ def test_layout_table_names_the_package_as_it_is():
 @pytest.mark.slow
 def test_load_run_example_runs_on_a_trained_run(tmp_path):
     """The README's inference example, on a real (tiny) RotatedDigits run."""
-    from sagm_jax import train
+    from sagm_jax.training import train
     from sagm_jax.config import mnist_config
 
     config = mnist_config("RotatedDigits")

@@ -35,7 +35,7 @@ import os
 
 import numpy as np
 
-from sagm_jax import rundir
+from sagm_jax.training import rundir
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 

@@ -17,7 +17,7 @@ refuses, each skipped with one line saying why), test environment set, trial see
 point of ``--hparams`` / ``--grid`` (a method's own hyperparameters only for it), with
 every ``--set``. ``--hparams`` presets are per dataset
 (``sagm_jax.sweep.jobs.preset_grid``); ``--hparams random`` gives each job
-``hparams_seed`` k and the values ``sagm_jax.hparams.random_hparams`` draws for it, as
+``hparams_seed`` k and the values ``sagm_jax.sweep.hparams.random_hparams`` draws for it, as
 DomainBed's sweep does. Test environments: ``all`` (each environment alone),
 ``all_with_pairs`` (each alone and every pair, as DomainBed's sweep; leave-one-domain-out
 selection needs the pairs), or explicit sets such as ``0 1 0,1``. ``--set`` and

@@ -3,13 +3,13 @@
 A job is one argument set: the config file of its dataset, then config overrides
 (``algorithm``, ``test_envs``, ``trial_seed``, ``seed`` = the trial seed, one point of
 the hyperparameter grid of its preset and dataset (:func:`preset_grid`) or, in a random
-search, ``hparams_seed`` = k and setting k's draws (``sagm_jax.hparams``), and every
+search, ``hparams_seed`` = k and setting k's draws (``sagm_jax.sweep.hparams``), and every
 ``--set``; ``objective`` and ``disam_lambda`` only
 where they are not the defaults erm and 0, so that the jobs of a sweep launched before
 those existed keep their names). As in DomainBed, its directory is
 ``<output_dir>/<md5 of json.dumps(args, sort_keys=True)>``, with the arguments in
 ``args.json`` there, so the same grid always names the same directories. The run
-directory inside is ``sagm_jax.rundir``'s; the job folder adds ``args.json``,
+directory inside is ``sagm_jax.training.rundir``'s; the job folder adds ``args.json``,
 ``out.txt`` / ``err.txt`` (the job's output, one header per launch) and the
 launcher's claim ``launcher.lock``.
 """
@@ -24,7 +24,9 @@ import os
 import shutil
 import sys
 
-from sagm_jax import claims, hparams, methods, rundir
+from sagm_jax import claims, methods
+from sagm_jax.sweep import hparams
+from sagm_jax.training import rundir
 from sagm_jax.data import registry
 from sagm_jax.formatting import flag_value
 
@@ -43,7 +45,7 @@ DATASET_OF = {path: name for name, path in CONFIG_FILES.items()}
 # the MNIST-like ones (the MNIST CNN: no dropout, DomainBed fixes weight decay at 0) a
 # search around DomainBed's MNIST lr 1e-3, inside its draw 10^U(-4.5, -2.5). "swad" is
 # the SWAD authors' 18-point grid (khanrc/swad#3), for the ResNet datasets, searched with
-# trial seed 0 only. "random" is DomainBed's random search (sagm_jax.hparams), one job
+# trial seed 0 only. "random" is DomainBed's random search (sagm_jax.sweep.hparams), one job
 # per hparams_seed 0..n_hparams-1.
 PRESETS = ("paper", "reduced", "swad", "random")
 REDUCED_RESNET = {

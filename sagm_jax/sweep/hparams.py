@@ -1,0 +1,168 @@
+"""DomainBed's random hyperparameter search: which hyperparameters a method and dataset
+draw, from which distributions, and how each draw is seeded.
+
+:func:`random_hparams` ``(algorithm, dataset, hparams_seed, trial_seed, objective)``
+returns OUR config keys (``batch_per_env``, ``dropout``, ``fish_meta_lr``, ...).
+
+* ``hparams_seed`` 0 is the defaults, in DomainBed's meaning: DomainBed's default of each
+  hyperparameter it draws (ResNet datasets lr 5e-5, batch 32, weight decay 0, dropout 0;
+  MNIST lr 1e-3, batch 64, weight decay 0), NOT the paper's per-dataset values that
+  ``configs/<dataset>.py`` carry (``--hparams paper`` runs those).
+* Otherwise, with DomainBed's ``misc.seed_hash``
+  ``seed_hash(*a) = int(md5(str(a)), 16) mod 2^31`` (``str`` of the argument tuple, so
+  ``seed_hash(3, 0)`` hashes ``"(3, 0)"`` and ``seed_hash(s, 'lr')`` hashes
+  ``"(s, 'lr')"``), ``s = seed_hash(hparams_seed, trial_seed)`` and each hyperparameter
+  named ``name`` in DomainBed takes the FIRST draw of
+  ``numpy.random.RandomState(seed_hash(s, name))`` from its distribution. Each name has
+  its own generator, so the draws do not depend on which other names are drawn, nor in
+  which order: the same (algorithm, dataset, hparams_seed, trial_seed) gives DomainBed's
+  values (its ``hparams_registry`` since 2020-10-20).
+
+The shared distributions (dg-algorithms section 0; DomainBed's ``SMALL_IMAGES`` are its
+MNIST datasets, here with RotatedDigits, which runs the same CNN; DomainBed draws
+``resnet_dropout`` for them too, unused, and since every name has its own generator,
+leaving that draw out changes no other):
+
+=================  ===============================  =============================
+DomainBed name     ResNet datasets                  MNIST-like datasets
+=================  ===============================  =============================
+lr                 5e-5; 10^U(-5, -3.5)             1e-3; 10^U(-4.5, -2.5)
+batch_size         32; int(2^U(3, 5.5)),            64; int(2^U(3, 9))
+                   DomainNet int(2^U(3, 5))
+weight_decay       0; 10^U(-6, -2)                  0; fixed 0
+resnet_dropout     0; choice {0, 0.1, 0.5}          not drawn (no ResNet)
+=================  ===============================  =============================
+
+Each objective's and update rule's own hyperparameters are drawn from its
+``Distribution`` in :mod:`sagm_jax.methods` (DomainBed's), under DomainBed's name
+(:data:`DOMAINBED_NAMES`). DomainBed has no sharpness-aware method; OUR draws
+(:data:`HEAD_HPARAMS`) are: ``rho`` fixed 0.05 for every head (SAGM's DomainBed runs
+fix it), SAGM's ``alpha`` from the paper's search {1e-3, 5e-4} (default
+``optimizers.SAGM_ALPHA``), GSAM's ``gsam_alpha`` fixed at its default; DISAM's
+``disam_lambda`` (when DISAM is on) from 10^U(-2, 0) around its code's default 0.1, the
+default being the lambda the caller gives. Keys without a distribution (CutMix's) are
+not returned: the config's values stay.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from sagm_jax import methods
+from sagm_jax.data import registry
+from sagm_jax.methods.registry import Distribution, Hyperparameter, choice, log_uniform
+from sagm_jax.methods.update_rules import GSAM_ALPHA, SAGM_ALPHA
+
+# Our config key -> DomainBed's hyperparameter name, where they differ; the name seeds
+# the draw, so it must be DomainBed's.
+DOMAINBED_NAMES = {
+    "batch_per_env": "batch_size",
+    "dropout": "resnet_dropout",
+    "fish_meta_lr": "meta_lr",
+    "and_mask_tau": "tau",
+    "mldg_n_meta_test": "n_meta_test",
+}
+
+# The sharpness-aware heads' hyperparameters: ours, DomainBed has none.
+_RHO = Hyperparameter("rho", 0.05, "", "", Distribution("0.05", lambda rng: 0.05))
+HEAD_HPARAMS = {
+    "sam": (_RHO,),
+    "gsam": (_RHO, Hyperparameter("gsam_alpha", GSAM_ALPHA, "", "",
+                                  Distribution(f"{GSAM_ALPHA:g}", lambda rng: GSAM_ALPHA))),
+    "sagm": (_RHO, Hyperparameter("alpha", SAGM_ALPHA, "", "", choice((1e-3, 5e-4)))),
+    "erm_sam": (_RHO,),  # SAGM with alpha 0: alpha is not a hyperparameter of it
+}
+DISAM_DRAW = log_uniform(-2, 0)
+
+
+def seed_hash(*args) -> int:
+    """DomainBed's ``misc.seed_hash``: the md5 of ``str(args)``, mod 2^31."""
+    return int(hashlib.md5(str(args).encode("utf-8")).hexdigest(), 16) % 2**31
+
+
+def is_mnist_like(dataset: str) -> bool:
+    """DomainBed's ``SMALL_IMAGES`` (RotatedMNIST, ColoredMNIST) and our RotatedDigits:
+    the in-memory datasets, trained with the MNIST CNN."""
+    return registry.get_spec(dataset).kind == "array"
+
+
+def _base2_int(low: float, high: float) -> Distribution:
+    """``int(2 ** U(low, high))``, DomainBed's batch-size draw."""
+    return Distribution(f"int(2^U({low:g},{high:g}))", lambda rng: int(2 ** rng.uniform(low, high)))
+
+
+def _fixed(value) -> Distribution:
+    return Distribution(f"{value:g}", lambda rng: value)
+
+
+def shared_hparams(dataset: str) -> tuple[Hyperparameter, ...]:
+    """lr, batch_per_env, weight_decay and dropout of ``dataset`` with DomainBed's
+    defaults and distributions (the module's table)."""
+    if is_mnist_like(dataset):
+        return (
+            Hyperparameter("lr", 1e-3, "", "", log_uniform(-4.5, -2.5)),
+            Hyperparameter("batch_per_env", 64, "", "", _base2_int(3, 9)),
+            Hyperparameter("weight_decay", 0.0, "", "", _fixed(0.0)),
+        )
+    high = 5 if dataset == "DomainNet" else 5.5
+    return (
+        Hyperparameter("lr", 5e-5, "", "", log_uniform(-5, -3.5)),
+        Hyperparameter("batch_per_env", 32, "", "", _base2_int(3, high)),
+        Hyperparameter("weight_decay", 0.0, "", "", log_uniform(-6, -2)),
+        Hyperparameter("dropout", 0.0, "", "", choice((0.0, 0.1, 0.5))),
+    )
+
+
+def searched_hparams(
+    algorithm: str, dataset: str, objective: str = "erm", disam_lambda: float = 0.0
+) -> tuple[Hyperparameter, ...]:
+    """Every hyperparameter the search draws for the method and dataset, each with its
+    default and distribution: the shared ones, the objective's, the update rule's (or
+    the head's, :data:`HEAD_HPARAMS`), and DISAM's when ``disam_lambda`` > 0 (its
+    default then)."""
+    own = [
+        *methods.OBJECTIVES[objective].hyperparameters,
+        *methods.UPDATE_RULES[algorithm].method.hyperparameters,
+        *HEAD_HPARAMS.get(algorithm, ()),
+    ]
+    if disam_lambda > 0:
+        own.append(methods.DISAM._replace(default=float(disam_lambda), distribution=DISAM_DRAW))
+    return shared_hparams(dataset) + tuple(h for h in own if h.distribution is not None)
+
+
+def random_hparams(
+    algorithm: str,
+    dataset: str,
+    hparams_seed: int,
+    trial_seed: int,
+    objective: str = "erm",
+    disam_lambda: float = 0.0,
+) -> dict:
+    """``{config key: value}`` of setting ``hparams_seed`` (0 = DomainBed's defaults) for
+    the update rule ``algorithm`` with ``objective`` (and DISAM at ``disam_lambda`` > 0,
+    its setting-0 value) on ``dataset``, drawn as DomainBed draws (module docstring).
+
+    >>> random_hparams("erm", "PACS", 0, 0)
+    {'lr': 5e-05, 'batch_per_env': 32, 'weight_decay': 0.0, 'dropout': 0.0}
+    """
+    for name, table in (("algorithm", methods.UPDATE_RULES), ("objective", methods.OBJECTIVES)):
+        value = algorithm if name == "algorithm" else objective
+        if value not in table:
+            raise ValueError(f"{name} {value!r}: expected one of {', '.join(table)}.")
+    problem = methods.combination_problem(objective, algorithm, float(disam_lambda))
+    if problem:
+        raise ValueError(problem)
+    if not (isinstance(hparams_seed, int) and hparams_seed >= 0):
+        raise ValueError(f"hparams_seed {hparams_seed!r}: expected an integer >= 0.")
+    hparams = searched_hparams(algorithm, dataset, objective, disam_lambda)
+    if hparams_seed == 0:
+        return {h.key: h.default for h in hparams}
+    setting = seed_hash(hparams_seed, trial_seed)
+    return {
+        h.key: h.distribution.draw(
+            np.random.RandomState(seed_hash(setting, DOMAINBED_NAMES.get(h.key, h.key)))
+        )
+        for h in hparams
+    }

@@ -1,0 +1,567 @@
+"""The training program: one run (or one per test environment) from a config.
+
+``train_and_evaluate`` is the program's entry (flax's name): one run, or one per test
+environment. ``train_one_run`` reads as the loop it is: check the config and the run
+directory, set up (data, model, optimizer, steps, evaluator; nothing is written until
+all of it succeeded), restore, then ``_training_loop``: step, log, evaluate, record,
+save. The parts live in their own modules:
+
+  rundir        config.json, run_info.json, split.json, results.jsonl, done
+  checkpoints   one orbax manager keeping the latest and the best checkpoint
+  evaluation    the evaluator: ``env{i}_{part}_acc`` of a state
+  train_step    the step, and the one place that decides the data-parallel mode
+
+Steps follow DomainBed: update ``t = 0 .. steps-1``; after update ``t`` the run
+evaluates when ``t % eval_every == 0`` or ``t == steps - 1`` and appends a record
+with ``step = t``, ``loss`` = the mean training loss since the last record, and
+``env{i}_{part}_acc`` for the split parts ``config.eval_splits`` evaluates
+(``evaluation.evaluated_parts``: "fast" leaves out the training environments' 'in'
+parts, which no model selection reads; "all" is every part). The record is written
+(and flushed) BEFORE the checkpoint of that step (``checkpoints/<t>``), so after a
+kill at any point the restart restores the newest checkpoint (state ``step = s + 1``),
+drops records with ``step > s`` and repeats exactly what was lost: batches, dropout
+masks and augmentations are functions of ``(seed, step)``. A resumed run (a checkpoint
+exists) and a finished one relaunched first check that the data and split are those of
+``split.json`` (which only a run starting at step 0 writes) and that ``results.jsonl``
+holds every evaluation before the restored step (``rundir.check_steps``).
+
+``load_run(workdir, which)`` gives a finished run's model, variables and record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from tqdm import tqdm
+
+from sagm_jax import data as data_lib
+from sagm_jax import formatting, models
+from sagm_jax.swad import averages as averaging
+from sagm_jax.methods import objectives
+from sagm_jax.swad import valley as swad
+from sagm_jax.training.checkpoints import (
+    Checkpoints,
+    restore_swad_variables,
+    restore_variables,
+    saved_steps,
+)
+from sagm_jax.config import section, validate
+from sagm_jax.data import device_augment, registry
+from sagm_jax.data.pipeline import prefetch_to_mesh
+from sagm_jax.data.splits import check_split_record
+from sagm_jax.training.evaluation import Evaluator
+from sagm_jax.methods.registry import PROCEDURES
+from sagm_jax.methods.update_rules import paper_optimizer
+from sagm_jax.methods.procedures import make_procedure
+from sagm_jax.training.rundir import (
+    CHECKPOINTS,
+    DONE,
+    RESULTS,
+    RunDir,
+    evaluation_interval,
+    is_evaluation_step,
+    make_record,
+    read_config,
+    read_records,
+    read_run_info,
+    read_swad_record,
+)
+from sagm_jax.results.selection import training_domain_validation, validation_accuracy
+from sagm_jax.swad.run import SwadRun
+from sagm_jax.training.train_step import create_train_state, data_parallel_train_step
+
+__all__ = [
+    "DONE",
+    "RESULTS",
+    "load_run",
+    "preprocess",
+    "read_records",
+    "train_and_evaluate",
+    "train_one_run",
+]
+
+
+@dataclasses.dataclass
+class Program:
+    """Everything a run needs, built by :func:`setup` before anything is written."""
+
+    dataset: Any
+    test_envs: list[int]
+    train_envs: list[int]
+    mesh: jax.sharding.Mesh
+    model: Any
+    state: Any  # the initial TrainState, replicated on the mesh
+    train_step: Any
+    evaluator: Evaluator
+    run_info: dict
+
+
+def _environments(config, dataset) -> tuple[list[int], list[int]]:
+    n_envs = len(dataset.env_names)
+    test_envs = [int(e) for e in config.test_envs]
+    if any(not 0 <= e < n_envs for e in test_envs):
+        raise ValueError(
+            f"config.test_envs={tuple(config.test_envs)}: expected indices in "
+            f"0..{n_envs - 1} of {config.dataset}'s environments {dataset.env_names}."
+        )
+    train_envs = [e for e in range(n_envs) if e not in test_envs]
+    if not train_envs:
+        raise ValueError(
+            f"config.test_envs={tuple(config.test_envs)} leaves no training environment."
+        )
+    return test_envs, train_envs
+
+
+def _mesh(config, train_envs) -> jax.sharding.Mesh:
+    devices = jax.devices()[: config.num_devices or None]
+    for key, size in (
+        ("batch_per_env * len(train_envs)", config.batch_per_env * len(train_envs)),
+        ("eval_batch_size", config.eval_batch_size),
+    ):
+        if size % len(devices):
+            raise ValueError(
+                f"config.{key} = {size} does not divide among {len(devices)} devices; "
+                "choose config.batch_per_env / config.eval_batch_size, or "
+                "config.num_devices, so that it does."
+            )
+    return jax.sharding.Mesh(np.array(devices), ("batch",))
+
+
+def optimizer_from_config(
+    config: ml_collections.ConfigDict, axis_name: str | None = None, num_domains: int = 1
+):
+    """The one place that turns a config into the update rule: for the plain and
+    sharpness-aware rules, :func:`sagm_jax.methods.update_rules.paper_optimizer` with the config's
+    ``optimizer`` section; for the procedures (Fish, AND-mask, MLDG),
+    :func:`sagm_jax.methods.procedures.make_procedure` over ``num_domains`` training domains.
+
+    ``config.alpha`` is SAGM's alpha and ``config.gsam_alpha`` GSAM's; each goes to
+    its own algorithm. ``axis_name`` (the device axis of a ``shard_map``) is used by
+    ``perturbation="per_device"`` only; the global mode needs none under ``jit``.
+    """
+    kwargs = section(config, "optimizer")
+    algorithm = kwargs.pop("algorithm")
+    if algorithm in PROCEDURES:
+        return make_procedure(
+            algorithm,
+            section(config, "method"),
+            learning_rate=config.lr,
+            weight_decay=config.weight_decay,
+            num_domains=num_domains,
+        )
+    kwargs["learning_rate"] = kwargs.pop("lr")
+    gsam_alpha = kwargs.pop("gsam_alpha")
+    if algorithm == "gsam":
+        kwargs["alpha"] = gsam_alpha
+    if kwargs["perturbation"] == "per_device":
+        kwargs["axis_name"] = axis_name
+    return paper_optimizer(algorithm, **kwargs)
+
+
+def setup(config: ml_collections.ConfigDict) -> Program:
+    """Opens the data, builds the model, optimizer, steps and evaluator: every check
+    that can fail runs here, before the run directory is written."""
+    dataset = data_lib.from_config(config)
+    test_envs, train_envs = _environments(config, dataset)
+    mesh = _mesh(config, train_envs)
+    init_key = jax.random.split(jax.random.key(config.seed))[0]
+    model, variables, weights = models.from_config(
+        config, dataset.num_classes, dataset.input_shape, init_key
+    )
+    optimizer = optimizer_from_config(config, axis_name="batch", num_domains=len(train_envs))
+    averages = None
+    if config.swad:
+        window = swad.segment_window(config.swad_n_tolerance, config.swad_n_converge)
+        averages = averaging.init_averages(variables["params"], window)
+    initial = create_train_state(
+        variables, optimizer, objectives.init_state(config.objective, len(train_envs)), averages
+    )
+    state = jax.device_put(initial, NamedSharding(mesh, P()))
+    run_info = {
+        "weights": weights,
+        "dataset": config.dataset,
+        "env_names": dataset.env_names,
+        "num_classes": dataset.num_classes,
+        "class_names": list(dataset.class_names),
+        "input_shape": list(dataset.input_shape),
+        "fingerprint": dataset.fingerprint,
+        "train_envs": train_envs,
+        "test_envs": test_envs,
+        "devices": [str(d) for d in jax.devices()],
+        "process_count": jax.process_count(),
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+    }
+    return Program(
+        dataset=dataset,
+        test_envs=test_envs,
+        train_envs=train_envs,
+        mesh=mesh,
+        model=model,
+        state=state,
+        train_step=data_parallel_train_step(config, model, optimizer, mesh, len(train_envs)),
+        evaluator=Evaluator(model, dataset, mesh, config, train_envs),
+        run_info=run_info,
+    )
+
+
+def train_one_run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
+    """Trains one run with ``config.test_envs`` held out; returns its records."""
+    validate(config, device_count=jax.device_count())
+    rundir = RunDir(workdir, is_main=jax.process_index() == 0)
+    config_dict = config.to_dict()
+    rundir.check_config(config_dict)  # first, finished run or not
+    if rundir.done:
+        return _finished(rundir, config)
+    program = setup(config)
+    checkpoints = Checkpoints(workdir, enabled=config.checkpoint)
+    resuming = checkpoints.latest_step() is not None
+    if resuming:  # before anything is rewritten: its records come from the recorded data
+        check_split_record(workdir, program.dataset)
+    rundir.start(config_dict, program.run_info, program.dataset, write_split=not resuming)
+    if rundir.is_main and program.dataset.skipped:
+        print(f"Skipped {len(program.dataset.skipped)} unreadable files (listed in split.json).")
+    state = checkpoints.restore_latest(program.state)
+    if state is None:
+        state = program.state
+    else:
+        print(f"{workdir}: resumed at step {int(state.step)}.")
+    records = rundir.records_before(int(state.step))
+    swad_run = SwadRun(config, program.train_envs, records) if config.swad else None
+    new_records, state = _training_loop(config, program, rundir, checkpoints, state, swad_run)
+    records += new_records
+    swad_record = None
+    if swad_run is not None:
+        swad_record = swad_run.finish(state, program, rundir, records[-1])
+    rundir.mark_done()
+    if rundir.is_main:
+        print_summary(records, program.test_envs, program.dataset.env_names, swad_record)
+    return records
+
+
+def _finished(rundir: RunDir, config) -> list[dict]:
+    """A done run's records, once its data and records are checked: a sweep relaunched
+    on changed data must not mix this run's results with new ones."""
+    check_split_record(rundir.workdir, data_lib.from_config(config, open_images=False))
+    records = read_records(rundir.workdir)
+    if rundir.is_main:
+        env_names = read_run_info(rundir.workdir)["env_names"]
+        print(f"{rundir.workdir}: already done; not training again.")
+        swad_record = read_swad_record(rundir.workdir)
+        print_summary(records, list(config.test_envs), env_names, swad_record)
+    return records
+
+
+def _training_loop(
+    config, program: Program, rundir: RunDir, checkpoints: Checkpoints, state, swad_run
+):
+    """Steps from ``state.step`` to ``config.steps`` (or to the end of SWAD's loss valley);
+    returns the new records and the last state."""
+    start, records = int(state.step), []
+    step_key = jax.random.split(jax.random.key(config.seed))[1]
+    writer = _metric_writer(rundir.workdir, rundir.is_main)
+    batches = prefetch_to_mesh(
+        program.dataset.train_iterator(
+            program.train_envs,
+            seed=config.seed,
+            batch_per_env=config.batch_per_env,
+            start_step=start,
+        ),
+        program.mesh,
+    )
+    interval = evaluation_interval(config)
+    sums, count = None, 0  # of the step's metrics since the last record, on the device
+    progress = tqdm(
+        total=config.steps,
+        initial=start,
+        unit="step",
+        disable=not rundir.is_main,
+        dynamic_ncols=True,
+    )
+    try:
+        for t in range(start, config.steps):
+            if swad_run is not None and swad_run.stopped:
+                break
+            state, metrics = program.train_step(state, next(batches), step_key)
+            sums = metrics if sums is None else jax.tree.map(jnp.add, sums, metrics)
+            count += 1
+            progress.update(1)
+            if t % config.log_every == 0:
+                loss = _finite_loss(float(metrics["loss"]), t, checkpoints, rundir)
+                progress.set_postfix(loss=f"{loss:.4f}")
+                writer.write_scalars(t, {"train/loss": loss})
+            if is_evaluation_step(t, config.steps, interval):
+                means = {k: float(v) / count for k, v in sums.items()}
+                record = _evaluate(config, program, rundir, checkpoints, state, t, means)
+                records.append(record)
+                writer.write_scalars(t, {k: v for k, v in record.items() if k.endswith("_acc")})
+                if swad_run is not None:
+                    state = swad_run.after_evaluation(state, record)
+                checkpoints.save(t, state, validation_accuracy(record, program.train_envs))
+                sums, count = None, 0
+    finally:  # the prefetch thread and the progress bar end even when the loop fails
+        batches.close()  # stops the prefetching thread
+        progress.close()
+        checkpoints.wait()
+    writer.flush()
+    return records, state
+
+
+def _evaluate(config, program: Program, rundir: RunDir, checkpoints, state, t, means) -> dict:
+    """Evaluates ``state`` after step ``t`` and appends its record (before the
+    checkpoint: see the module docstring); ``means`` are the step metrics' means."""
+    mean_loss = _finite_loss(means.pop("loss"), t, checkpoints, rundir)
+    if not _all_finite(state.params):
+        _stop_non_finite(rundir.workdir, t, mean_loss, checkpoints)
+    record = make_record(
+        config.to_dict(),
+        rundir.workdir,
+        step=t,
+        loss=mean_loss,
+        metrics=means,
+        accuracies=program.evaluator(state),
+        test_envs=program.test_envs,
+        smallest_env=min(len(program.dataset.splits[e]["in"]) for e in program.train_envs),
+    )
+    rundir.append(record)
+    return record
+
+
+def _all_finite(tree) -> bool:
+    return bool(jax.tree.reduce(lambda a, x: a & jnp.all(jnp.isfinite(x)), tree, jnp.array(True)))
+
+
+def _finite_loss(loss: float, step: int, checkpoints, rundir) -> float:
+    if not np.isfinite(loss):
+        _stop_non_finite(rundir.workdir, step, loss, checkpoints)
+    return loss
+
+
+def _stop_non_finite(workdir, step, loss, checkpoints: Checkpoints):
+    checkpoints.wait()
+    latest = checkpoints.latest_step()
+    kept = (
+        "no checkpoint yet"
+        if latest is None
+        else f"the last good checkpoint, step {latest}, is kept in "
+        f"{os.path.join(workdir, CHECKPOINTS, str(latest))}"
+    )
+    raise FloatingPointError(
+        f"Non-finite training loss ({loss}) or parameters at step {step}; stopping. {kept}. "
+        "Lower config.lr, or check the data."
+    )
+
+
+def load_run(workdir: str, which: str | int = "best"):
+    """A trained run, for inference or analysis: ``(model, variables, record)``.
+
+    ``which``: ``"best"`` (the step training-domain validation selects, as the summary
+    and the tables do), ``"latest"``, a step number of a kept checkpoint, or ``"swad"``
+    (a SWAD run's averaged model, with its swad.jsonl record). ``model``
+    is the Flax module, ``variables`` its ``{'params', 'batch_stats'}``; apply it as
+    ``model.apply(variables, images_nhwc, train=False)`` to images prepared as the run's
+    evaluation prepares them. ``record`` is the results.jsonl record of that step.
+    Nothing of the optimizer is rebuilt, so any run (any algorithm, per-device
+    perturbation included) loads the same way.
+    """
+    config = ml_collections.ConfigDict(read_config(workdir))
+    info = read_run_info(workdir)
+    records = read_records(workdir)
+    if which == "swad":
+        model = models.from_config(
+            config, info["num_classes"], info["input_shape"], jax.random.key(0), pretrained=False
+        )[0]
+        return model, restore_swad_variables(workdir), read_swad_record(workdir)
+    if which == "best":
+        step = training_domain_validation(records, config.test_envs)["step"]
+    elif which == "latest":
+        step = max(saved_steps(workdir), default=None)
+    else:
+        step = int(which)
+    if step is None:
+        raise FileNotFoundError(f"{workdir} holds no checkpoint.")
+    model = models.from_config(
+        config, info["num_classes"], info["input_shape"], jax.random.key(0), pretrained=False
+    )[0]
+    record = next((r for r in records if r["step"] == step), None)
+    return model, restore_variables(workdir, step), record
+
+
+def preprocess(workdir: str, images) -> np.ndarray:
+    """``images`` as the run's evaluation prepares them: the float32 batch
+    ``model.apply(variables, batch, train=False)`` takes (``load_run``).
+
+    Image-folder runs take PIL images, image files or uint8 RGB arrays ``[H, W, 3]`` of
+    any size (a list, or one array ``[N, H, W, 3]``): each is resized whole to the run's
+    input size (``run_info.json``'s ``input_shape``, from ``config.image_size``) with
+    PIL's bilinear resize, as the run's evaluation images were, then scaled to [0, 1]
+    and normalised with ImageNet's mean and std. MNIST-like runs take arrays of their
+    input shape, float in [0, 1] as the dataset stores them, or uint8 (scaled by 1/255).
+    """
+    info = read_run_info(workdir)
+    shape = tuple(info["input_shape"])
+    if registry.get_spec(info["dataset"]).kind == "folder":
+        batch = np.stack([_evaluation_image(image, shape[0]) for image in images])
+        batch = batch.astype(np.float32) / 255.0
+        mean = np.asarray(device_augment.IMAGENET_MEAN, np.float32)
+        return (batch - mean) / np.asarray(device_augment.IMAGENET_STD, np.float32)
+    batch = np.asarray(images)
+    if batch.shape[1:] != shape:
+        raise ValueError(
+            f"{workdir} was trained on {info['dataset']} images of shape {shape}; "
+            f"got a batch of shape {batch.shape}."
+        )
+    return batch.astype(np.float32) / (255.0 if batch.dtype == np.uint8 else 1.0)
+
+
+def _evaluation_image(image, size: int) -> np.ndarray:
+    """uint8 ``[size, size, 3]``: an image folder's evaluation image (``data.store``)."""
+    from PIL import Image
+
+    if isinstance(image, (str, os.PathLike)):
+        with Image.open(image) as opened:
+            image = opened.convert("RGB")
+    elif not isinstance(image, Image.Image):
+        image = Image.fromarray(np.asarray(image, np.uint8)).convert("RGB")
+    return np.asarray(image.convert("RGB").resize((size, size), Image.BILINEAR))
+
+
+class _NoTensorBoard:
+    """Stands in for clu's writer where TensorFlow (which clu's writer needs) is not
+    installed: results.jsonl and the progress bar carry the same numbers."""
+
+    def write_scalars(self, step, scalars):
+        del step, scalars
+
+    def flush(self):
+        pass
+
+
+def _metric_writer(workdir: str, is_main: bool):
+    try:
+        from sagm_jax.data import tf_input  # noqa: F401  keeps TensorFlow off accelerators
+    except ImportError:
+        if is_main:
+            print("TensorFlow is not installed: no TensorBoard scalars (results.jsonl has them).")
+        return _NoTensorBoard()
+    from clu import metric_writers
+
+    return metric_writers.create_default_writer(workdir, just_logging=not is_main)
+
+
+def print_summary(records: list[dict], test_envs, env_names=None, swad_record=None) -> None:
+    """The step chosen by training-domain validation and its accuracy (%) per environment
+    and split part, as the result tables show accuracies; with ``swad_record``, the SWAD
+    model's beside them. A part the records do not hold (the training environments' 'in'
+    parts with ``config.eval_splits="fast"``, which evaluates only what model selection
+    reads) shows "-", and a line below the table says why."""
+    if not records:
+        print("No evaluation records.")
+        return
+    chosen = training_domain_validation(records, test_envs)
+    envs = sorted({int(k[3:].split("_")[0]) for k in chosen if k.startswith("env")})
+    parts = [p for p in ("in", "out", "test") if any(f"env{e}_{p}_acc" in chosen for e in envs)]
+    # The index (what config.test_envs takes), then the name as the result tables show it.
+    dataset = records[-1].get("args", {}).get("dataset")
+    labels = {e: registry.env_label(dataset, e, env_names) for e in envs}
+    names = {e: f"env{e}" + (f" {labels[e]}" if env_names else "") for e in envs}
+    width = max(len(n) for n in names.values()) + 8
+    print(
+        f"Selected step {chosen['step']} by training-domain validation (mean 'out' accuracy "
+        f"of the training environments {100 * chosen['validation_acc']:.1f}%):"
+    )
+    columns = [(chosen, p, f"{p} %") for p in parts]
+    if swad_record is not None:
+        columns += [(swad_record, p, f"SWAD {p} %") for p in parts]
+    print("  " + "environment".ljust(width) + "".join(f"{c[2]:>11}" for c in columns))
+    missing = set()
+    for e in envs:
+        label = f"{names[e]} ({'test' if e in test_envs else 'train'})"
+        cells = []
+        for r, p, _ in columns:
+            if f"env{e}_{p}_acc" in r:
+                cells.append(f"{100 * r[f'env{e}_{p}_acc']:>11.1f}")
+            else:
+                cells.append(f"{'-':>11}")
+                missing.add((e, p))
+        print("  " + label.ljust(width) + "".join(cells))
+    if missing:
+        print(_missing_parts_note(missing, envs, test_envs, records[-1]))
+    tests = ", ".join(f"{names[e]} {100 * chosen[f'env{e}_in_acc']:.1f}%" for e in test_envs)
+    print(f"Test accuracy ('in' split of the test environment): {tests}")
+    if swad_record is not None:
+        swad = ", ".join(f"{names[e]} {100 * swad_record[f'env{e}_in_acc']:.1f}%" for e in test_envs)
+        info = swad_record["swad"]
+        print(
+            f"SWAD test accuracy: {swad} (the mean of {info['segments']} segments, steps "
+            f"{info['first_step']}-{info['last_step']})"
+        )
+
+
+def _missing_parts_note(missing: set, envs, test_envs, record: dict) -> str:
+    """Why the summary shows "-": with ``eval_splits="fast"`` the training environments'
+    'in' parts are not evaluated; anything else (records without a config among them) is
+    named as not in the records."""
+    train_in = {(e, "in") for e in envs if e not in test_envs}
+    eval_splits = record.get("config", {}).get("eval_splits")
+    if missing <= train_in and eval_splits == "fast":
+        return (
+            "  - : training environments' 'in' parts are not evaluated (config.eval_splits="
+            "fast; --config.eval_splits=all evaluates every part)"
+        )
+    parts = ", ".join(f"env{e} '{p}'" for e, p in sorted(missing))
+    return f"  - : not in the records: {parts}"
+
+
+def _test_accuracy_table(config, env_names, accuracies: dict) -> str:
+    """The markdown table of one test accuracy per environment and their average."""
+    average = 100 * np.mean(list(accuracies.values()))
+    return "\n".join(
+        [
+            f"{config.dataset} / {config.algorithm}, test accuracy (training-domain "
+            f"validation), % (the 'in' split of each test environment):",
+            "",
+            "| " + " | ".join(["test environment", *env_names, "Avg"]) + " |",
+            "|---|" + ":-:|" * (len(env_names) + 1),
+            "| accuracy | "
+            + " | ".join(f"{100 * a:.1f}" for a in accuracies.values())
+            + f" | {average:.1f} |",
+        ]
+    )
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Any:
+    """Runs ``config.test_envs``, or every environment in turn with ``config.all_test_envs``
+    (then prints the table of test accuracies and writes it to ``workdir/results.md``).
+    Starts by printing the run directory, ends with the wall time."""
+    import time
+
+    start, is_main = time.monotonic(), jax.process_index() == 0
+    if is_main:
+        print(f"Run directory: {os.path.abspath(workdir)}", flush=True)
+    if not config.all_test_envs:
+        result = train_one_run(config, workdir)
+    else:
+        env_names = data_lib.from_config(config, open_images=False).env_names
+        result = {}
+        for env in range(len(env_names)):
+            env_config = ml_collections.ConfigDict(config.to_dict())
+            env_config.test_envs, env_config.all_test_envs = (env,), False
+            records = train_one_run(env_config, os.path.join(workdir, f"test_env{env}"))
+            result[env] = training_domain_validation(records, [env])[f"env{env}_in_acc"]
+        table = _test_accuracy_table(config, env_names, result)
+        if is_main:
+            with open(os.path.join(workdir, "results.md"), "w") as f:
+                f.write(table + "\n")
+            print("\n" + table + f"\n(written to {os.path.join(workdir, 'results.md')})")
+    if is_main:  # the run directory was printed first, once
+        print(f"Wall time: {formatting.duration(time.monotonic() - start)}")
+    return result

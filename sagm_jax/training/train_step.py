@@ -1,0 +1,326 @@
+"""The train state, the one function that applies a model, and the train step.
+
+``make_train_step`` is the pure step of one device's data; ``data_parallel_train_step``
+is the one place that decides the data-parallel mode around it and jits it:
+
+* ``perturbation='global'``: one jitted program over the batch sharded on the mesh's
+  ``batch`` axis; XLA inserts the reductions, so the step equals the one-device step.
+* ``perturbation='per_device'`` (m-sharpness): the step runs per device under
+  ``shard_map``; each device perturbs with its own shard's gradient, and the optimizer
+  averages the final direction over the ``batch`` axis for EVERY algorithm (ERM
+  included, see ``optimizers.paper_optimizer``), so the replicated parameters and
+  optimizer state stay equal on every device.
+
+Both start with ``device_augment.model_inputs``, which augments uint8 image-folder
+batches on the device.
+
+One step, for every plain and sharpness-aware rule (the optimizer decides how many
+gradients it needs), ``L_B`` being the config's objective (``sagm_jax.methods.objectives``) on
+the step's per-domain minibatches:
+
+    g   = grad L_B(w)                              clean pass (its loss is reported)
+    d   = optimizer head(g, grad_fn)               SAM/GSAM/SAGM call grad_fn once
+    w  <- w + Adam(d + wd * w)                     see optimizers.paper_optimizer
+
+``grad_fn(p, i)`` differentiates the loss of the SAME batch at ``p``, with the same
+draws of the objective (Mixup's pairs, CutMix's box) and the objective state the clean
+pass advanced to (GroupDRO's ``q`` moves once per step). With DISAM the clean pass also
+gives ``g_DI = grad (L_B - lambda Var_m L_m)`` from the same forward, and the head
+perturbs along it. IRM's and VREx's Adam restarts (all optimizer state back to
+``init``) at the end of their anneal. A procedure (Fish, AND-mask, MLDG) replaces the
+three lines: it updates from each domain's gradient (``sagm_jax.methods.procedures``). Random
+draws derive from ``fold_in(key, step)``, so a resumed run repeats them.
+
+Choices the reference leaves implicit, stated here:
+- Dropout draws an independent mask in each pass, as the reference's two
+  forward calls do; ``shared_dropout=True`` reuses the clean pass's mask.
+- MixStyle (when the model has it): SAGM's clean pass runs WITHOUT it and its
+  perturbed pass WITH it (the paper's SAGM+MixStyle); every other algorithm uses
+  it in every training pass.
+- Frozen BatchNorm (the default) reads the ImageNet running statistics in both
+  passes. With trainable BatchNorm only the clean pass updates the statistics,
+  as the reference disables running statistics for the perturbed pass.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, NamedTuple
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from sagm_jax.swad import averages as averaging
+from sagm_jax.methods import objectives
+from sagm_jax.methods.objectives import per_example_cross_entropy
+from sagm_jax.config import section
+from sagm_jax.data import device_augment
+from sagm_jax.methods.registry import PROCEDURES
+from sagm_jax.methods.update_rules import domain_loss_variance
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    batch_stats: Any  # {} for models without BatchNorm
+    opt_state: Any
+    objective_state: Any = None  # GroupDRO's q; {} for objectives without state
+    averages: Any = None  # SWAD's weight averages (sagm_jax.swad.averages); {} without SWAD
+
+
+def create_train_state(variables, optimizer, objective_state=None, averages=None) -> TrainState:
+    """Step 0: ``variables``, ``optimizer.init`` (an optax transformation or a
+    procedure), the objective's initial state and SWAD's averages (``{}`` for none)."""
+    params = variables["params"]
+    return TrainState(
+        step=jnp.zeros([], jnp.int32),
+        params=params,
+        batch_stats=variables.get("batch_stats", {}),
+        opt_state=optimizer.init(params),
+        objective_state={} if objective_state is None else objective_state,
+        averages={} if averages is None else averages,
+    )
+
+
+def apply_model(model: nn.Module, params, batch_stats, images, compute_dtype, **kwargs):
+    """``model.apply`` on ``images`` with the parameters and images cast to
+    ``compute_dtype`` (BatchNorm statistics as stored). ``kwargs`` go to ``model.apply``
+    (``train`` defaults to False; ``mixstyle``, ``rngs``, ``mutable``)."""
+    variables = {"params": jax.tree.map(lambda p: p.astype(compute_dtype), params)}
+    if batch_stats:
+        variables["batch_stats"] = batch_stats
+    kwargs.setdefault("train", False)
+    return model.apply(variables, images.astype(compute_dtype), **kwargs)
+
+
+def cross_entropy(logits, labels) -> jax.Array:
+    """Mean cross-entropy over the batch, computed in float32."""
+    return jnp.mean(per_example_cross_entropy(logits, labels))
+
+
+def _forward(model: nn.Module, params, batch_stats, key, mixstyle, train_batchnorm, compute_dtype):
+    """``forward(images) -> objectives.Outputs(features, logits, batch_stats)``: one training
+    pass at ``params``, dropout and MixStyle drawn from ``key``; the BatchNorm statistics it
+    returns are updated only with ``train_batchnorm``."""
+
+    def forward(images):
+        dropout_key, mixstyle_key = jax.random.split(key)
+        outputs = apply_model(
+            model,
+            params,
+            batch_stats,
+            images,
+            compute_dtype,
+            train=True,
+            mixstyle=mixstyle,
+            features=True,
+            rngs={"dropout": dropout_key, "mixstyle": mixstyle_key},
+            mutable=["batch_stats"] if train_batchnorm else False,
+        )
+        (features, logits), updated = outputs if train_batchnorm else (outputs, {})
+        return objectives.Outputs(features, logits, updated.get("batch_stats", batch_stats))
+
+    return forward
+
+
+class StepMethod(NamedTuple):
+    """What a train step computes besides the model and the update rule: the objective
+    and its hyperparameters, the number of training domains, and DISAM's weight."""
+
+    objective: str = "erm"
+    hyperparameters: dict = {}
+    num_domains: int = 1
+    disam_lambda: float = 0.0
+
+
+# The objective's random draws (Mixup's pairs, CutMix's box) come from their own stream
+# of the step's key, the same in the clean and the perturbed pass: both differentiate
+# one loss function. Dropout draws its own mask in each pass (see the module docstring).
+_OBJECTIVE_STREAM = 1
+
+
+def make_train_step(
+    model: nn.Module,
+    optimizer,
+    *,
+    algorithm: str,
+    method: StepMethod = StepMethod(),
+    use_mixstyle: bool = False,
+    train_batchnorm: bool = False,
+    shared_dropout: bool = False,
+    compute_dtype=jnp.float32,
+    axis_name: str | None = None,
+):
+    """Returns ``train_step(state, batch, key) -> (state, metrics)``, pure and jittable.
+
+    ``batch`` holds ``image`` [B, H, W, C] and ``label`` [B], the ``method.num_domains``
+    training domains' minibatches concatenated in order. With ``compute_dtype``
+    bfloat16 the parameters and images are cast for the forward and backward
+    passes; the parameters, the optimizer and the loss stay in float32. Inside
+    ``shard_map`` (the per-device perturbation), ``axis_name`` averages the reported
+    metrics and trained BatchNorm statistics over devices. ``optimizer`` is the optax
+    chain of a plain or sharpness-aware rule, or the ``procedures.Procedure`` of
+    ``algorithm`` (Fish, AND-mask, MLDG), which updates from per-domain gradients.
+    ``metrics`` holds the reported ``loss`` and the objective's other values.
+    """
+    is_procedure = algorithm in PROCEDURES
+    clean_mixstyle = use_mixstyle and algorithm != "sagm"
+    reset_step = objectives.reset_optimizer_step(method.objective, method.hyperparameters)
+
+    def train_step(state: TrainState, batch, key):
+        step_key = jax.random.fold_in(key, state.step)
+        clean_key, perturbed_key = jax.random.split(step_key)
+        perturbed_key = clean_key if shared_dropout else perturbed_key
+        objective_key = jax.random.fold_in(step_key, _OBJECTIVE_STREAM)
+
+        def forward_at(params, dropout_key, mixstyle=use_mixstyle):
+            return _forward(
+                model, params, state.batch_stats, dropout_key, mixstyle, train_batchnorm,
+                compute_dtype,
+            )
+
+        def loss_fn(params, dropout_key, mixstyle, objective_state, advance):
+            return objectives.objective_loss(
+                method.objective, method.hyperparameters,
+                forward_at(params, dropout_key, mixstyle), batch["image"], batch["label"],
+                num_domains=method.num_domains, state=objective_state, step=state.step,
+                key=objective_key, advance=advance,
+            )
+
+        opt_state = _restarted(optimizer, state, reset_step)
+        batch_stats, objective_state = state.batch_stats, state.objective_state
+        if is_procedure:
+            per_domain = _domain_value_and_grad(forward_at, batch, clean_key, method.num_domains)
+            updates, opt_state, metrics = optimizer.update(
+                state.params, opt_state, per_domain, objective_key
+            )
+        else:
+            grads, extra, aux = _clean_gradients(
+                loss_fn, state, clean_key, clean_mixstyle, method.disam_lambda
+            )
+            objective_state, metrics, batch_stats = aux.state, aux.metrics, aux.batch_stats
+
+            def grad_fn(params, i):  # the perturbed pass: the state does not advance again
+                del i
+                return jax.grad(loss_fn, has_aux=True)(
+                    params, perturbed_key, use_mixstyle, objective_state, False
+                )[0]
+
+            updates, opt_state = optimizer.update(
+                grads, opt_state, state.params, grad_fn=grad_fn, **extra
+            )
+        if axis_name is not None:
+            metrics, batch_stats = jax.lax.pmean((metrics, batch_stats), axis_name)
+        state = state.replace(
+            step=state.step + 1,
+            params=optax.apply_updates(state.params, updates),
+            batch_stats=batch_stats,
+            opt_state=opt_state,
+            objective_state=objective_state,
+        )
+        return state, metrics
+
+    return train_step
+
+
+def _restarted(optimizer, state: TrainState, reset_step: int | None):
+    """The optimizer state for this step: ``optimizer.init`` at ``reset_step`` (IRM's and
+    VREx's fresh Adam at the end of their anneal, head included), else the state's."""
+    if reset_step is None:
+        return state.opt_state
+    return jax.tree.map(
+        lambda fresh, old: jnp.where(state.step == reset_step, fresh, old),
+        optimizer.init(state.params),
+        state.opt_state,
+    )
+
+
+def _clean_gradients(loss_fn, state: TrainState, key, mixstyle, disam_lambda: float):
+    """The clean pass: ``g = grad L_B(w)``, the objective's auxiliary output, and the extra
+    arguments of the head. With DISAM (``disam_lambda`` > 0) one forward serves both
+    gradients: ``g`` and ``g_DI = grad (L_B - lambda V)``, ``V`` the population variance
+    of the objective's per-domain terms (dg-algorithms section 11), as two
+    vector-Jacobian products; the head builds its perturbation from ``g_DI``."""
+    if not disam_lambda:
+        grads, aux = jax.grad(loss_fn, has_aux=True)(
+            state.params, key, mixstyle, state.objective_state, True
+        )
+        return grads, {}, aux
+
+    def both(params):
+        loss, aux = loss_fn(params, key, mixstyle, state.objective_state, True)
+        return jnp.stack([loss, loss - disam_lambda * domain_loss_variance(aux.domain_losses)]), aux
+
+    _, vjp, aux = jax.vjp(both, state.params, has_aux=True)
+    (grads,) = vjp(jnp.array([1.0, 0.0]))
+    (ascent,) = vjp(jnp.array([0.0, 1.0]))
+    return grads, {"ascent_grads": ascent}, aux
+
+
+def _domain_value_and_grad(forward_at, batch, key, num_domains: int):
+    """``(params, m) -> (CE of domain m's minibatch, its gradient)`` for the procedures,
+    where ``forward_at(params, key)`` is a training pass's ``forward``; ``m`` may be
+    traced. Each call draws its own dropout mask, as the reference's separate forwards do."""
+    images = batch["image"].reshape(num_domains, -1, *batch["image"].shape[1:])
+    labels = batch["label"].reshape(num_domains, -1)
+    calls = itertools.count()  # at trace time: call k draws from fold_in(key, k)
+
+    def value_and_grad(params, m):
+        call_key = jax.random.fold_in(key, next(calls))
+
+        def loss(p):
+            return cross_entropy(forward_at(p, call_key)(images[m]).logits, labels[m])
+
+        return jax.value_and_grad(loss)(params)
+
+    return value_and_grad
+
+
+def data_parallel_train_step(config, model: nn.Module, optimizer, mesh, num_domains: int):
+    """The run's jitted ``train_step(state, batch, key) -> (state, metrics)`` for the
+    data-parallel mode ``config.perturbation`` on ``mesh`` (see the module docstring),
+    with the config's objective, its hyperparameters (the "method" section) and DISAM
+    over ``num_domains`` training domains. ``optimizer`` must have been built with
+    ``axis_name='batch'`` for 'per_device'. With ``config.swad`` the step also takes the
+    new weights into SWAD's segment mean (``sagm_jax.swad.averages``)."""
+    per_device = config.perturbation == "per_device"
+    step_fn = make_train_step(
+        model,
+        optimizer,
+        algorithm=config.algorithm,
+        method=StepMethod(
+            objective=config.objective,
+            hyperparameters=section(config, "method"),
+            num_domains=num_domains,
+            disam_lambda=config.disam_lambda,
+        ),
+        use_mixstyle=config.mixstyle,
+        train_batchnorm=not config.freeze_batchnorm,
+        shared_dropout=config.shared_dropout,
+        compute_dtype=jnp.dtype(config.compute_dtype),
+        axis_name="batch" if per_device else None,
+    )
+    if per_device:
+        # check_vma=False keeps gradients of replicated parameters local, as under pmap;
+        # the optimizer's pmean makes the outputs replicated, as out_specs declares.
+        step_fn = jax.shard_map(
+            step_fn,
+            mesh=mesh,
+            in_specs=(P(), P("batch"), P()),
+            out_specs=(P(), P()),
+            check_vma=False,
+        )
+
+    def train_step(state, batch, key):
+        batch = device_augment.model_inputs(batch, config.seed, state.step, config.image_size)
+        state, metrics = step_fn(state, batch, key)
+        if config.swad:  # SWAD's segment mean takes every step's weights
+            state = state.replace(averages=averaging.accumulate(state.averages, state.params))
+        return state, metrics
+
+    return jax.jit(train_step, donate_argnums=0)

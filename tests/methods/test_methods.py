@@ -1,0 +1,160 @@
+"""sagm_jax.methods: the one table of objectives and update rules, read by the config,
+the README and the run labels."""
+
+import os
+
+import pytest
+
+from sagm_jax import methods
+from sagm_jax.config import base_config, config_problems, mnist_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def problems_of(**overrides):
+    config = mnist_config("RotatedDigits")
+    config.update(overrides)
+    return config_problems(config)
+
+
+def test_every_method_hyperparameter_is_a_config_field_with_its_default():
+    config = base_config()
+    for hp in methods.hyperparameters():
+        assert config[hp.key] == hp.default, hp.key
+    assert config.objective == "erm" and config.disam_lambda == 0.0
+    assert set(methods.OBJECTIVES) >= {"erm", "mixup", "cutmix", "coral", "mmd", "groupdro",
+                                       "irm", "vrex"}
+    assert set(methods.UPDATE_RULES) >= {"erm", "sam", "gsam", "sagm", "erm_sam", "fish",
+                                         "and_mask", "mldg"}
+
+
+@pytest.mark.parametrize(
+    "key,bad,expected",
+    [
+        ("mixup_alpha", 0.0, "a number > 0"),
+        ("irm_penalty_anneal_iters", -1, "an integer >= 0"),
+        ("and_mask_tau", 1.5, "in [0, 1]"),
+        ("fish_meta_lr", 0.0, "in (0, 1]"),
+        ("disam_lambda", -1.0, "a number >= 0"),
+        ("objective", "dann", "one of erm, mixup"),
+        ("algorithm", "fishy", "one of erm, sam, gsam, sagm, erm_sam, fish"),
+    ],
+)
+def test_a_bad_method_value_is_named_with_what_was_expected(key, bad, expected):
+    found = [p for p in problems_of(**{key: bad}) if p.startswith(f"config.{key}=")]
+    assert len(found) == 1 and expected in found[0], found
+
+
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        (dict(algorithm="fish", objective="coral"), ["fish", "objective erm only"]),
+        (dict(algorithm="erm", disam_lambda=0.1), ["disam_lambda=0.1", "sam, gsam or sagm"]),
+        (dict(algorithm="mldg", disam_lambda=0.1), ["disam_lambda=0.1"]),
+        (dict(objective="coral", perturbation="per_device"), ["per_device", "global"]),
+        (dict(algorithm="and_mask", freeze_batchnorm=False), ["freeze_batchnorm=True"]),
+    ],
+)
+def test_combinations_that_are_not_a_method_are_refused_in_one_line(overrides, words):
+    found = problems_of(**overrides)
+    assert len(found) == 1, found
+    assert all(word in found[0] for word in words), found[0]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(objective="coral", algorithm="sagm", disam_lambda=0.1),
+        dict(objective="mixup", algorithm="gsam"),
+        dict(objective="irm", algorithm="sam", disam_lambda=0.5),
+        dict(objective="erm", algorithm="fish"),
+        dict(objective="groupdro", algorithm="erm"),
+    ],
+)
+def test_objectives_compose_with_every_plain_and_sharpness_aware_rule(overrides):
+    assert problems_of(**overrides) == []
+
+
+@pytest.mark.parametrize(
+    "objective,algorithm,disam,label",
+    [
+        ("erm", "sagm", 0.0, "SAGM"),
+        ("erm", "erm", 0.0, "ERM"),
+        ("mixup", "erm", 0.0, "ERM + Mixup"),
+        ("cutmix", "erm", 0.0, "ERM + CutMix"),
+        ("coral", "erm", 0.0, "CORAL"),
+        ("coral", "sagm", 0.0, "SAGM + CORAL"),
+        ("erm", "sagm", 0.1, "DISAM on SAGM"),
+        ("coral", "sagm", 0.1, "DISAM on SAGM + CORAL"),
+        ("erm", "and_mask", 0.0, "AND-mask"),
+    ],
+)
+def test_method_labels_are_the_papers_row_names(objective, algorithm, disam, label):
+    assert methods.method_label(objective, algorithm, disam) == label
+    if label in methods.DISAM_PUBLISHED:  # the published rows carry exactly these names
+        assert methods.DISAM_PUBLISHED[label][-1] == "DISAM paper"
+
+
+def test_domainbed_distributions_draw_inside_their_stated_ranges():
+    import numpy as np
+
+    rng = np.random.RandomState(0)
+    for hp in methods.hyperparameters():
+        if hp.distribution is None:
+            continue
+        for _ in range(50):
+            value = hp.distribution.draw(rng)
+            text = hp.distribution.text
+            if text.startswith("10^U(") or text.startswith("int(10^U("):
+                low, high = (float(v) for v in text.split("U(")[1].rstrip(")").split(","))
+                assert 10**low - 1 <= value <= 10**high, (hp.key, value)
+            elif text.startswith("U("):
+                low, high = (float(v) for v in text[2:-1].split(","))
+                assert low <= value <= high
+            else:
+                assert str(value) in text, (hp.key, value)
+
+
+def test_the_readme_lists_every_method_as_the_tables_say():
+    with open(os.path.join(REPO, "README.md")) as f:
+        readme = f.read()
+    assert methods.markdown_table() in readme
+
+
+def test_mixstyles_probability_and_beta_reach_the_network(monkeypatch):
+    from sagm_jax import models
+
+    built = {}
+
+    class Built(Exception):
+        pass
+
+    def create(*args, **kwargs):
+        built.update(kwargs)
+        raise Built  # the network's constructor arguments are what this test checks
+
+    monkeypatch.setattr(models, "create", create)
+    config = base_config()
+    config.update(dict(arch="resnet18", mixstyle=True, mixstyle_p=1.0, mixstyle_alpha=0.3))
+    with pytest.raises(Built):
+        models.from_config(config, 2, (32, 32, 3), None)
+    assert (built["mixstyle_p"], built["mixstyle_alpha"]) == (1.0, 0.3)
+    # ... and the ResNet gives them to each of its MixStyle layers (traced, not compiled).
+    import jax
+
+    from sagm_jax.models import mixstyle, resnet
+
+    layers = []
+
+    class RecordedMixStyle(mixstyle.MixStyle):
+        def __call__(self, x, active):
+            layers.append((self.p, self.alpha))
+            return super().__call__(x, active)
+
+    monkeypatch.setattr(resnet, "MixStyle", RecordedMixStyle)
+    network = resnet.ResNet("resnet18", 2, mixstyle_after=(1, 3), mixstyle_p=1.0,
+                            mixstyle_alpha=0.3)
+    jax.eval_shape(
+        lambda key, x: network.init(key, x, train=False), jax.random.key(0), jax.numpy.ones((2, 32, 32, 3))
+    )
+    assert layers == [(1.0, 0.3), (1.0, 0.3)]

@@ -1,0 +1,190 @@
+"""sagm_jax.sweep.hparams.random_hparams against a re-statement of DomainBed's
+``hparams_registry`` written here: ``misc.seed_hash`` as md5 of ``str`` of the argument
+tuple, one numpy ``RandomState(seed_hash(seed_hash(hparams_seed, trial_seed), name))`` per
+DomainBed name, each distribution's formula written out; then mapped to our config keys.
+Several algorithms (erm, coral, mixup, irm, fish, and_mask, mldg, sagm), datasets (PACS,
+DomainNet, RotatedMNIST, and our RotatedDigits with MNIST's) and seeds; setting 0 is
+DomainBed's defaults."""
+
+import hashlib
+import itertools
+
+import numpy as np
+import pytest
+
+from sagm_jax.sweep.hparams import random_hparams, seed_hash
+
+SMALL_IMAGES = ("Debug28", "RotatedMNIST", "ColoredMNIST")
+
+
+def db_seed_hash(*args):
+    return int(hashlib.md5(str(args).encode("utf-8")).hexdigest(), 16) % (2**31)
+
+
+def db_hparams(algorithm, dataset, random_seed):
+    """DomainBed's ``_hparams``: ``{name: (default, random value)}``."""
+    hparams = {}
+
+    def _hparam(name, default_val, random_val_fn):
+        assert name not in hparams
+        random_state = np.random.RandomState(db_seed_hash(random_seed, name))
+        hparams[name] = (default_val, random_val_fn(random_state))
+
+    _hparam("data_augmentation", True, lambda r: True)
+    _hparam("resnet18", False, lambda r: False)
+    _hparam("resnet_dropout", 0.0, lambda r: r.choice([0.0, 0.1, 0.5]))
+    _hparam("class_balanced", False, lambda r: False)
+    _hparam("nonlinear_classifier", False, lambda r: bool(r.choice([False, False])))
+    if algorithm == "IRM":
+        _hparam("irm_lambda", 1e2, lambda r: 10 ** r.uniform(-1, 5))
+        _hparam("irm_penalty_anneal_iters", 500, lambda r: int(10 ** r.uniform(0, 4)))
+    elif algorithm == "Mixup":
+        _hparam("mixup_alpha", 0.2, lambda r: 10 ** r.uniform(-1, 1))
+    elif algorithm in ("MMD", "CORAL"):
+        _hparam("mmd_gamma", 1.0, lambda r: 10 ** r.uniform(-1, 1))
+    elif algorithm == "MLDG":
+        _hparam("mldg_beta", 1.0, lambda r: 10 ** r.uniform(-1, 1))
+        _hparam("n_meta_test", 2, lambda r: r.choice([1, 2]))
+    elif algorithm == "Fish":
+        _hparam("meta_lr", 0.5, lambda r: r.choice([0.05, 0.1, 0.5]))
+    elif algorithm == "ANDMask":
+        _hparam("tau", 1, lambda r: r.uniform(0.5, 1.0))
+    # Dataset-dependent, defined after the algorithm's in DomainBed (order is irrelevant).
+    if dataset in SMALL_IMAGES:
+        _hparam("lr", 1e-3, lambda r: 10 ** r.uniform(-4.5, -2.5))
+        _hparam("weight_decay", 0.0, lambda r: 0.0)
+        _hparam("batch_size", 64, lambda r: int(2 ** r.uniform(3, 9)))
+    else:
+        _hparam("lr", 5e-5, lambda r: 10 ** r.uniform(-5, -3.5))
+        _hparam("weight_decay", 0.0, lambda r: 10 ** r.uniform(-6, -2))
+        big = 5 if dataset == "DomainNet" else 5.5
+        _hparam("batch_size", 32, lambda r: int(2 ** r.uniform(3, big)))
+    return hparams
+
+
+def db_setting(algorithm, dataset, hparams_seed, trial_seed):
+    """DomainBed's train.py: defaults at hparams_seed 0, else the random values of
+    ``seed_hash(hparams_seed, trial_seed)``."""
+    table = db_hparams(algorithm, dataset, db_seed_hash(hparams_seed, trial_seed))
+    return {name: pair[0] if hparams_seed == 0 else pair[1] for name, pair in table.items()}
+
+
+# Our (algorithm, objective) of each DomainBed algorithm, and DomainBed's name of each
+# of our keys.
+OURS = {
+    "ERM": ("erm", "erm"),
+    "CORAL": ("erm", "coral"),
+    "Mixup": ("erm", "mixup"),
+    "IRM": ("erm", "irm"),
+    "Fish": ("fish", "erm"),
+    "ANDMask": ("and_mask", "erm"),
+    "MLDG": ("mldg", "erm"),
+}
+OUR_KEYS = {
+    "lr": "lr",
+    "batch_size": "batch_per_env",
+    "weight_decay": "weight_decay",
+    "resnet_dropout": "dropout",
+    "irm_lambda": "irm_lambda",
+    "irm_penalty_anneal_iters": "irm_penalty_anneal_iters",
+    "mixup_alpha": "mixup_alpha",
+    "mmd_gamma": "mmd_gamma",
+    "mldg_beta": "mldg_beta",
+    "n_meta_test": "mldg_n_meta_test",
+    "meta_lr": "fish_meta_lr",
+    "tau": "and_mask_tau",
+}
+DATASETS = ("PACS", "DomainNet", "RotatedMNIST")
+SEEDS = [(h, t) for h in (0, 1, 2, 7, 19) for t in (0, 1, 2)]
+
+
+def expected_ours(db_algorithm, dataset, hparams_seed, trial_seed):
+    """DomainBed's setting in our keys; the MNIST CNN takes no dropout."""
+    values = db_setting(db_algorithm, dataset, hparams_seed, trial_seed)
+    expected = {OUR_KEYS[name]: v for name, v in values.items() if name in OUR_KEYS}
+    if dataset in SMALL_IMAGES:
+        del expected["dropout"]
+    return expected
+
+
+@pytest.mark.parametrize("db_algorithm", sorted(OURS))
+def test_draws_are_domainbeds(db_algorithm):
+    algorithm, objective = OURS[db_algorithm]
+    for dataset, (hparams_seed, trial_seed) in itertools.product(DATASETS, SEEDS):
+        got = random_hparams(algorithm, dataset, hparams_seed, trial_seed, objective)
+        want = expected_ours(db_algorithm, dataset, hparams_seed, trial_seed)
+        assert got == want, (dataset, hparams_seed, trial_seed)
+        assert all(type(v) in (int, float) for v in got.values())  # JSON and flags
+
+
+def test_setting_zero_is_domainbeds_defaults_not_the_config_files():
+    assert random_hparams("erm", "PACS", 0, 2) == {
+        "lr": 5e-5, "batch_per_env": 32, "weight_decay": 0.0, "dropout": 0.0
+    }
+    assert random_hparams("mldg", "RotatedMNIST", 0, 1) == {
+        "lr": 1e-3, "batch_per_env": 64, "weight_decay": 0.0,
+        "mldg_beta": 1.0, "mldg_n_meta_test": 2,
+    }
+
+
+def test_draws_change_with_the_trial_seed_and_mnist_is_drawn_as_domainbed_draws_it():
+    pacs = [random_hparams("erm", "PACS", 3, t)["lr"] for t in range(3)]
+    assert len(set(pacs)) == 3
+    mnist = random_hparams("erm", "RotatedMNIST", 3, 0)
+    assert 10**-4.5 <= mnist["lr"] <= 10**-2.5 and mnist["weight_decay"] == 0.0
+    assert 8 <= mnist["batch_per_env"] < 512 and "dropout" not in mnist
+    # RotatedDigits runs the same CNN: MNIST's distributions, the same seeding.
+    assert random_hparams("erm", "RotatedDigits", 3, 0) == mnist
+
+
+def test_seed_hash_is_str_of_the_argument_tuple():
+    assert seed_hash(3, 0) == int(hashlib.md5(b"(3, 0)").hexdigest(), 16) % 2**31
+    assert seed_hash(5, "lr") == int(hashlib.md5(b"(5, 'lr')").hexdigest(), 16) % 2**31
+
+
+def our_heads(dataset, hparams_seed, trial_seed, alpha_draw=True):
+    """Our heads' definition: rho fixed 0.05; SAGM's alpha the first
+    RandomState(seed_hash(s, 'alpha')).choice of {1e-3, 5e-4} (default 1e-3)."""
+    expected = {**expected_ours("ERM", dataset, hparams_seed, trial_seed), "rho": 0.05}
+    if alpha_draw:
+        rng = np.random.RandomState(db_seed_hash(db_seed_hash(hparams_seed, trial_seed), "alpha"))
+        alpha = float(rng.choice([1e-3, 5e-4]))
+        expected["alpha"] = 1e-3 if hparams_seed == 0 else alpha
+    return expected
+
+
+def test_sharpness_aware_heads_draw_ours_on_domainbeds_shared_draws():
+    for dataset, (hparams_seed, trial_seed) in itertools.product(DATASETS, SEEDS):
+        assert random_hparams("sagm", dataset, hparams_seed, trial_seed) == our_heads(
+            dataset, hparams_seed, trial_seed
+        )
+        assert random_hparams("sam", dataset, hparams_seed, trial_seed) == our_heads(
+            dataset, hparams_seed, trial_seed, alpha_draw=False
+        )
+    alphas = {random_hparams("sagm", "PACS", h, 0)["alpha"] for h in range(1, 20)}
+    assert alphas == {1e-3, 5e-4}
+    assert random_hparams("gsam", "PACS", 4, 1)["gsam_alpha"] == 0.01
+    assert "alpha" not in random_hparams("erm_sam", "PACS", 4, 1)  # alpha 0 by definition
+    # SAGM + CORAL: the head's and the objective's, each seeded under its own name.
+    both = random_hparams("sagm", "PACS", 4, 1, objective="coral")
+    gamma = expected_ours("CORAL", "PACS", 4, 1)["mmd_gamma"]
+    assert both == {**our_heads("PACS", 4, 1), "mmd_gamma": gamma}
+
+
+def test_disam_lambda_is_drawn_when_disam_is_on():
+    assert "disam_lambda" not in random_hparams("sagm", "PACS", 2, 0)
+    assert random_hparams("sagm", "PACS", 0, 0, disam_lambda=0.3)["disam_lambda"] == 0.3
+    rng = np.random.RandomState(db_seed_hash(db_seed_hash(2, 1), "disam_lambda"))
+    drawn = random_hparams("sagm", "PACS", 2, 1, disam_lambda=0.3)["disam_lambda"]
+    assert drawn == 10 ** rng.uniform(-2, 0)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="objective erm only"):
+        random_hparams("fish", "PACS", 1, 0, objective="coral")
+    with pytest.raises(ValueError, match="algorithm 'irm'"):
+        random_hparams("irm", "PACS", 1, 0)
+    with pytest.raises(ValueError, match="hparams_seed -1"):
+        random_hparams("erm", "PACS", -1, 0)
+    with pytest.raises(ValueError, match="Unknown dataset"):
+        random_hparams("erm", "Nope", 1, 0)

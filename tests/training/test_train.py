@@ -1,0 +1,659 @@
+"""sagm_jax.training.train and sagm_jax.main: runs end to end (records, run directory, resume,
+devices), and what the program prints and writes around its runs."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+
+import jax
+import numpy as np
+import pytest
+from PIL import Image
+
+from sagm_jax import models
+from sagm_jax.training import rundir
+from sagm_jax.training import train
+from sagm_jax.data import device_augment, store
+from sagm_jax.config import base_config, mnist_config
+from sagm_jax.models import synthetic
+
+from run_fixtures import digits_config, tiny_folder_config, write_image_tree
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The tests that train real runs are marked slow: left out of `pytest -m "not slow"`.
+
+
+def restore_params(workdir, which="latest"):
+    return train.load_run(str(workdir), which)[1]["params"]
+
+
+@pytest.mark.slow
+def test_rotated_digits_end_to_end(tmp_path):
+    records = train.train_and_evaluate(digits_config(), str(tmp_path))
+    assert [r["step"] for r in records] == [0, 2, 4]
+    on_disk = train.read_records(str(tmp_path))
+    assert [r["step"] for r in on_disk] == [0, 2, 4]
+    for record in on_disk:
+        assert np.isfinite(record["loss"])
+        # The default eval_splits="fast": every 'out' part and the test environment's
+        # 'in', not the training environments' 'in' (tests/test_evaluation.py: "all").
+        assert record["config"]["eval_splits"] == "fast"
+        accuracies = {k for k in record if k.endswith("_acc")}
+        assert accuracies == {"env0_in_acc", *(f"env{e}_out_acc" for e in range(6))}
+        assert all(0.0 <= record[k] <= 1.0 for k in accuracies)
+        assert record["args"]["test_envs"] == [0] and record["hparams"]["lr"] == 1e-3
+    for name in ("config.json", "run_info.json", "split.json", "done"):
+        assert os.path.exists(tmp_path / name), name
+    assert any(n.startswith("events.out.tfevents") for n in os.listdir(tmp_path))
+    # Checkpoints are named by record steps: the latest (4) and the selected one.
+    best = train.load_run(str(tmp_path), "best")[2]["step"]
+    assert sorted(map(int, os.listdir(tmp_path / "checkpoints"))) == sorted({best, 4})
+    # A finished run is not trained again.
+    again = train.train_and_evaluate(digits_config(), str(tmp_path))
+    assert [r["step"] for r in again] == [0, 2, 4]
+    assert len(train.read_records(str(tmp_path))) == 3
+
+
+@pytest.mark.slow
+def test_image_folder_with_pretrained_resnet18(tmp_path):
+    write_image_tree(tmp_path / "data")
+    weights = synthetic.draw_torchvision_weights("resnet18", seed=0)
+    weights_file = str(tmp_path / "resnet18.safetensors")
+    models.save_weights(weights, weights_file)
+    config = tiny_folder_config(
+        tmp_path,
+        arch="resnet18",
+        pretrained_weights=weights_file,
+        image_size=32,
+        steps=2,
+        eval_every=1,
+        test_envs=(1,),
+        lr=1e-4,
+        algorithm=base_config().algorithm,
+    )
+    records = train.train_and_evaluate(config, str(tmp_path / "run"))
+    assert [r["step"] for r in records] == [0, 1]
+    with open(tmp_path / "run" / "run_info.json") as f:
+        info = json.load(f)
+    assert info["weights"]["sha256"] == models.file_sha256(weights_file)
+    assert info["test_envs"] == [1] and info["train_envs"] == [0, 2]
+    # The backbone started from the file: the first conv moved by at most a few lr steps.
+    conv1 = np.asarray(restore_params(tmp_path / "run")["conv1"]["kernel"])
+    np.testing.assert_allclose(conv1, weights["conv1.weight"].transpose(2, 3, 1, 0), atol=1e-3)
+
+
+@pytest.mark.slow
+def test_all_test_envs_runs_each_environment(tmp_path, capsys):
+    write_image_tree(tmp_path / "data", n=3)
+    config = tiny_folder_config(tmp_path, steps=1, all_test_envs=True)
+    table = train.train_and_evaluate(config, str(tmp_path / "run"))
+    assert sorted(table) == [0, 1, 2]
+    for env in range(3):
+        assert os.path.exists(tmp_path / "run" / f"test_env{env}" / "done")
+    assert "test accuracy (training-domain validation)" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_one_device_and_eight_devices_give_the_same_run(tmp_path):
+    assert jax.device_count() == 8
+    one = train.train_and_evaluate(digits_config(num_devices=1, steps=1), str(tmp_path / "one"))
+    eight = train.train_and_evaluate(digits_config(num_devices=8, steps=1), str(tmp_path / "eight"))
+    for key in one[0]:
+        if key.endswith("_acc"):
+            assert one[0][key] == pytest.approx(eight[0][key], abs=1.0 / 60), (
+                key
+            )  # one example at most
+    assert one[0]["loss"] == pytest.approx(eight[0]["loss"], rel=1e-6)
+    one_params = np.concatenate(
+        [np.ravel(p) for p in jax.tree.leaves(restore_params(tmp_path / "one"))]
+    )
+    eight_params = np.concatenate(
+        [np.ravel(p) for p in jax.tree.leaves(restore_params(tmp_path / "eight"))]
+    )
+    # One SAGM step. The gradients agree to float32 rounding (sums in another order);
+    # Adam's first step, lr * d / (|d| + eps), turns that into a visible difference only
+    # where |d| is itself at rounding level. A per-device perturbation, the likely bug,
+    # would change most coordinates. Longer runs drift apart chaotically in float32;
+    # the optimizer alone is compared exactly, in float64, in tests/test_optimizers.py.
+    agree = np.isclose(one_params, eight_params, rtol=1e-4, atol=1e-6)
+    assert agree.mean() > 0.999, agree.mean()
+    assert np.max(np.abs(one_params - eight_params)) <= 2 * 1e-3
+
+
+@pytest.mark.slow
+def test_per_device_perturbation_runs_and_differs_from_global(tmp_path):
+    per_device = train.train_and_evaluate(
+        digits_config(steps=2, eval_every=1, perturbation="per_device"),
+        str(tmp_path / "per_device"),
+    )
+    global_ = train.train_and_evaluate(
+        digits_config(steps=2, eval_every=1), str(tmp_path / "global")
+    )
+    assert per_device[0]["loss"] == pytest.approx(global_[0]["loss"], rel=1e-5)  # same clean pass
+    gap = max(
+        float(np.max(np.abs(a - b)))
+        for a, b in zip(
+            jax.tree.leaves(restore_params(tmp_path / "per_device")),
+            jax.tree.leaves(restore_params(tmp_path / "global")),
+        )
+    )
+    assert gap > 0
+
+
+def _main_command(workdir, *overrides):
+    return [
+        sys.executable,
+        "-m",
+        "sagm_jax.main",
+        f"--config={REPO}/configs/rotated_digits.py",
+        f"--workdir={workdir}",
+        "--config.steps=25",
+        "--config.eval_every=3",
+        "--config.batch_per_env=4",
+        "--config.eval_batch_size=64",
+        *overrides,
+    ]
+
+
+def _run_env():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = ""  # one CPU device, as a user's laptop
+    return env
+
+
+def _folder_overrides(tmp_path):
+    """A tiny image folder trained through the device input path (decoded store,
+    augmentation on the device)."""
+    write_image_tree(tmp_path / "data", n=4)
+    return [
+        "--config.dataset=ImageFolder",
+        f"--config.data_dir={tmp_path / 'data'}",
+        f"--config.cache_dir={tmp_path / 'cache'}",
+        "--config.input=device",
+        "--config.image_size=16",
+        "--config.test_envs=1",
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "dataset", ["rotated_digits", "image_folder_device_input", "rotated_digits_swad"]
+)
+def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path, dataset):
+    overrides = {
+        "rotated_digits": [],
+        "image_folder_device_input": _folder_overrides(tmp_path),
+        # SWAD: its averages and valley resume too (tolerance 100: the valley lives on).
+        "rotated_digits_swad": [
+            "--config.swad=True",
+            "--config.swad_eval_every=3",
+            "--config.swad_n_converge=2",
+            "--config.swad_n_tolerance=3",
+            "--config.swad_tolerance_ratio=100",
+        ],
+    }[dataset]
+    subprocess.run(
+        _main_command(tmp_path / "whole", *overrides),
+        check=True,
+        env=_run_env(),
+        cwd=REPO,
+        capture_output=True,
+    )
+    killed = tmp_path / "killed"
+    process = subprocess.Popen(
+        _main_command(killed, *overrides),
+        env=_run_env(),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 300
+    while len(train.read_records(str(killed))) < 3 and time.time() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    records_at_kill = len(train.read_records(str(killed)))
+    assert not os.path.exists(killed / "done") and 3 <= records_at_kill < 9
+    resumed = subprocess.run(
+        _main_command(killed, *overrides),
+        check=True, env=_run_env(), cwd=REPO, capture_output=True, text=True
+    )
+    assert "resumed at step" in resumed.stdout
+    with open(tmp_path / "whole" / "results.jsonl") as a, open(killed / "results.jsonl") as b:
+        whole, again = a.read(), b.read()
+    assert whole.replace(str(tmp_path / "whole"), "W") == again.replace(str(killed), "W")
+    for a, b in zip(
+        jax.tree.leaves(restore_params(tmp_path / "whole")), jax.tree.leaves(restore_params(killed))
+    ):
+        np.testing.assert_array_equal(a, b)
+    if dataset.endswith("swad"):
+        whole_swad = train.load_run(str(tmp_path / "whole"), "swad")
+        killed_swad = train.load_run(str(killed), "swad")
+        for a, b in zip(jax.tree.leaves(whole_swad[1]), jax.tree.leaves(killed_swad[1])):
+            np.testing.assert_array_equal(a, b)
+        assert {k: v for k, v in whole_swad[2].items() if k != "args"} == {
+            k: v for k, v in killed_swad[2].items() if k != "args"
+        }
+
+
+@pytest.mark.slow
+def test_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(tmp_path):
+    config = digits_config(lr=1e30, steps=40, eval_every=1)
+    with pytest.raises(FloatingPointError, match="Non-finite.*last good checkpoint"):
+        train.train_and_evaluate(config, str(tmp_path))
+    params = restore_params(tmp_path)
+    assert all(np.all(np.isfinite(np.asarray(p))) for p in jax.tree.leaves(params))
+    assert not os.path.exists(tmp_path / "done")
+
+
+@pytest.mark.slow
+def test_a_workdir_with_another_config_is_refused(tmp_path):
+    train.train_and_evaluate(digits_config(steps=1), str(tmp_path))
+    os.remove(tmp_path / "done")
+    with pytest.raises(ValueError, match=r"different config \(keys \['lr'\]"):
+        train.train_and_evaluate(digits_config(steps=1, lr=0.5), str(tmp_path))
+
+
+@pytest.mark.slow
+def test_a_relaunch_that_changes_eval_splits_is_refused(tmp_path, capsys):
+    """A run's records all hold the parts of one eval_splits: a finished fast run
+    relaunched with "all" is refused, naming the key and the value that goes on."""
+    train.train_and_evaluate(digits_config(steps=1), str(tmp_path))
+    before = (tmp_path / "results.jsonl").read_text()
+    capsys.readouterr()
+    with pytest.raises(
+        ValueError, match=r"keys \['eval_splits'\] differ.*relaunch with --config.eval_splits=fast"
+    ):
+        train.train_and_evaluate(digits_config(steps=1, eval_splits="all"), str(tmp_path))
+    assert "Selected step" not in capsys.readouterr().out
+    assert (tmp_path / "results.jsonl").read_text() == before
+
+
+@pytest.mark.slow
+def test_batch_that_does_not_divide_among_devices_is_named(tmp_path):
+    with pytest.raises(ValueError, match="config.batch_per_env.*= 15 does not divide among 8"):
+        train.train_and_evaluate(digits_config(batch_per_env=3), str(tmp_path / "run"))
+    # Nothing was written, so following the error's advice in the same workdir works.
+    assert not os.path.exists(tmp_path / "run")
+    records = train.train_and_evaluate(digits_config(steps=1), str(tmp_path / "run"))
+    assert [r["step"] for r in records] == [0]
+
+
+@pytest.mark.slow
+def test_a_finished_run_relaunched_with_another_config_is_refused(tmp_path, capsys):
+    """Relaunching a done run with other test_envs must not print its old results
+    under the new labels (a training environment shown as the test one)."""
+    train.train_and_evaluate(digits_config(steps=1), str(tmp_path))
+    assert os.path.exists(tmp_path / "done")
+    capsys.readouterr()
+    with pytest.raises(ValueError, match=r"different config \(keys \['test_envs'\]"):
+        train.train_and_evaluate(digits_config(steps=1, test_envs=(1,)), str(tmp_path))
+    assert "Selected step" not in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_an_empty_split_part_is_refused_before_anything_is_written(tmp_path):
+    """Two images per domain leave the 'out' parts empty (2 x 0.2 rounds to 0): their
+    accuracy would be NaN, which no checkpoint comparison can rank."""
+    write_image_tree(tmp_path / "data", classes=("cat",), n=2)
+    config = base_config()
+    config.update(
+        dataset="ImageFolder",
+        data_dir=str(tmp_path / "data"),
+        arch="mnist_cnn",
+        cache_dir=str(tmp_path / "cache"),
+        image_size=16,
+        batch_per_env=8,
+        test_envs=(1,),
+    )
+    with pytest.raises(ValueError, match=r"Empty split parts: env0 \(art\) 'out'.*holdout_fraction"):
+        train.train_and_evaluate(config, str(tmp_path / "run"))
+    assert not os.path.exists(tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_load_run_gives_the_selected_checkpoint_and_its_recorded_accuracy(tmp_path):
+    """Checkpoints are numbered by record steps, "best" is the step the summary selects,
+    and the loaded model reproduces that record's accuracy, counted here directly."""
+    from sagm_jax import data as data_lib
+    from sagm_jax.results.selection import training_domain_validation
+
+    config = digits_config(steps=7, eval_every=2, lr=3e-3)
+    records = train.train_and_evaluate(config, str(tmp_path))
+    selected = training_domain_validation(records, [0])["step"]
+    model, variables, record = train.load_run(str(tmp_path), "best")
+    assert record["step"] == selected
+    assert train.load_run(str(tmp_path), "latest")[2]["step"] == 6
+    dataset = data_lib.load("RotatedDigits", None, trial_seed=0, data_seed=0)
+    assert "env1_in_acc" not in record  # eval_splits="fast": a training env's 'in'
+    for env, part in ((0, "in"), (0, "out"), (1, "out")):
+        k = dataset.splits[env][part]
+        images = dataset.source.images[env][k]
+        logits = model.apply(variables, np.asarray(images, np.float32), train=False)
+        correct = int(np.sum(np.asarray(np.argmax(logits, -1)) == dataset.source.labels[env][k]))
+        assert correct / len(k) == record[f"env{env}_{part}_acc"]
+
+
+@pytest.mark.slow
+def test_test_envs_out_of_range_is_named(tmp_path):
+    with pytest.raises(ValueError, match=r"config.test_envs=\(7,\).*0..5"):
+        train.train_and_evaluate(digits_config(test_envs=(7,)), str(tmp_path))
+
+
+def _two_processes(workdir, overrides, port):
+    return [
+        subprocess.Popen(
+            _main_command(
+                workdir,
+                *overrides,
+                "--distributed",
+                f"--coordinator_address=localhost:{port}",
+                "--num_processes=2",
+                f"--process_id={i}",
+            ),
+            env=_run_env(),
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+
+
+@pytest.mark.slow
+def test_two_processes_killed_and_resumed_give_the_two_device_run(tmp_path):
+    """Multi-host through jax.distributed: two local CPU processes (gloo collectives),
+    one device each, killed after a few evaluations and relaunched, against one process
+    with two devices. After the restore every process must take the same checkpoint
+    decisions (a save entered by one process alone hangs in orbax's barrier)."""
+    overrides = ["--config.steps=8", "--config.eval_every=1", "--config.cnn_widths=16,32,32,32"]
+    env = _run_env()
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    subprocess.run(
+        _main_command(tmp_path / "single", *overrides),
+        check=True,
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+    )
+    port = 20000 + os.getpid() % 20000
+    workers = _two_processes(tmp_path / "multi", overrides, port)
+    deadline = time.time() + 300
+    while len(train.read_records(str(tmp_path / "multi"))) < 3 and time.time() < deadline:
+        time.sleep(0.05)
+    for w in workers:
+        w.send_signal(signal.SIGKILL)
+        w.wait()
+    assert 3 <= len(train.read_records(str(tmp_path / "multi"))) < 8
+    workers = _two_processes(tmp_path / "multi", overrides, port + 1)
+    outputs = [w.communicate(timeout=600)[0] for w in workers]
+    assert [w.returncode for w in workers] == [0, 0], [o[-3000:] for o in outputs]
+    assert all("resumed at step" in o for o in outputs)
+    single = train.read_records(str(tmp_path / "single"))
+    multi = train.read_records(str(tmp_path / "multi"))
+    assert [r["step"] for r in multi] == list(range(8))
+    for a, b in zip(single, multi):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        for key in a:
+            if key.endswith("_acc"):
+                assert a[key] == pytest.approx(b[key], abs=1.0 / 60), key
+
+
+@pytest.mark.slow
+def test_image_folder_trains_without_tensorflow(tmp_path):
+    """The image-folder path (store, device augmentation, evaluation, checkpoints) on a
+    machine without TensorFlow, as many GPU machines are: its import is made to fail."""
+    no_tf = (
+        "import sys, runpy; sys.modules['tensorflow'] = None; "
+        "sys.modules['tensorflow_datasets'] = None; sys.argv = ['sagm_jax.main'] + sys.argv[1:]; "
+        "runpy.run_module('sagm_jax.main', run_name='__main__', alter_sys=True); "
+        "assert sys.modules['tensorflow'] is None"
+    )
+    command = _main_command(tmp_path / "run", *_folder_overrides(tmp_path), "--config.steps=3")
+    done = subprocess.run(
+        [sys.executable, "-c", no_tf, *command[3:]],
+        env=_run_env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "TensorFlow is not installed" in done.stdout
+    assert [r["step"] for r in train.read_records(str(tmp_path / "run"))] == [0, 2]
+    assert os.path.exists(tmp_path / "run" / "done")
+
+
+@pytest.mark.slow
+def test_a_failed_start_leaves_no_workdir_behind(tmp_path):
+    """The command line claims its workdir (run.lock) before the run checks what only the
+    data can tell; when such a check fails, the new directory is removed again."""
+    env = _run_env()
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    failed = subprocess.run(
+        _main_command(tmp_path / "run", "--config.batch_per_env=3"),
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert failed.returncode == 1 and "does not divide among 8" in failed.stderr, failed.stderr
+    assert not os.path.exists(tmp_path / "run")
+
+
+# What the program prints and writes around runs, without training (fast).
+
+
+def summary_record(step, accs, test_env):
+    """A record whose 'out' accuracy is ``accs`` but 0 for ``test_env``; 'in' is ``accs``."""
+    r = {"step": step}
+    for env, acc in enumerate(accs):
+        r[f"env{env}_in_acc"] = acc
+        r[f"env{env}_out_acc"] = acc if env != test_env else 0.0
+    return r
+
+
+def test_summary_is_in_percent_with_the_selected_step(capsys):
+    records = [summary_record(0, [0.1, 0.5, 0.5], 0), summary_record(10, [0.25, 0.8, 0.9], 0)]
+    train.print_summary(records, [0], ["art", "photo", "sketch"])
+    out = capsys.readouterr().out
+    assert "Selected step 10 by training-domain validation" in out and "85.0%" in out
+    assert "env0 art (test)" in out and "25.0" in out and "90.0" in out
+    assert "Test accuracy ('in' split of the test environment): env0 art 25.0%" in out
+
+
+def test_summary_of_fast_records_shows_a_dash_and_says_why(capsys):
+    """eval_splits="fast" records lack the training environments' 'in' parts: their cells
+    are "-", with one line saying why; every number shown is the record's."""
+    records = [summary_record(0, [0.1, 0.5, 0.5], 0), summary_record(10, [0.25, 0.8, 0.9], 0)]
+    for r in records:
+        del r["env1_in_acc"], r["env2_in_acc"]
+        r["config"] = {"eval_splits": "fast"}
+    swad_record = {
+        "env0_in_acc": 0.375,
+        "env0_out_acc": 0.125,
+        "env1_out_acc": 0.625,
+        "env2_out_acc": 0.875,
+        "swad": {"segments": 3, "first_step": 2, "last_step": 10},
+    }
+    train.print_summary(records, [0], ["art", "photo", "sketch"], swad_record)
+    lines = capsys.readouterr().out.splitlines()
+    header = "environment in % out % SWAD in % SWAD out %"
+    assert lines[1].split() == header.split()
+    rows = {line.split("(")[0].strip(): line.split(")")[1].split() for line in lines[2:5]}
+    assert rows == {
+        "env0 art": ["25.0", "0.0", "37.5", "12.5"],
+        "env1 photo": ["-", "80.0", "-", "62.5"],
+        "env2 sketch": ["-", "90.0", "-", "87.5"],
+    }
+    assert lines[5].strip() == (
+        "- : training environments' 'in' parts are not evaluated (config.eval_splits=fast; "
+        "--config.eval_splits=all evaluates every part)"
+    )
+    assert lines[6] == "Test accuracy ('in' split of the test environment): env0 art 25.0%"
+    assert lines[7].startswith("SWAD test accuracy: env0 art 37.5% (the mean of 3 segments")
+    # A part missing for another reason is named as missing, never put down to fast mode.
+    del records[1]["env0_out_acc"]
+    train.print_summary(records[1:], [0], ["art", "photo", "sketch"])
+    out = capsys.readouterr().out
+    assert "  - : not in the records: env0 'out', env1 'in', env2 'in'" in out
+    assert "eval_splits" not in out
+
+
+def test_summary_of_all_split_records_has_no_dash(capsys):
+    records = [summary_record(0, [0.1, 0.5, 0.5], 0), summary_record(10, [0.25, 0.8, 0.9], 0)]
+    train.print_summary(records, [0], ["art", "photo", "sketch"])
+    out = capsys.readouterr().out
+    assert " - " not in out and "not evaluated" not in out and "80.0" in out
+
+
+def test_all_test_envs_prints_the_workdir_once_then_writes_the_table_and_wall_time(
+    tmp_path, capsys, monkeypatch
+):
+    names = ["art", "photo", "sketch"]
+    monkeypatch.setattr(
+        train.data_lib, "from_config", lambda config, **_: types.SimpleNamespace(env_names=names)
+    )
+
+    def fake_train_one_run(config, workdir):
+        (env,) = config.test_envs
+        return [summary_record(0, [0.5 + 0.1 * env] * 3, env)]
+
+    monkeypatch.setattr(train, "train_one_run", fake_train_one_run)
+    config = mnist_config("ImageFolder")
+    config.all_test_envs, config.algorithm = True, "erm"
+    os.makedirs(tmp_path / "run")
+    table = train.train_and_evaluate(config, str(tmp_path / "run"))
+    assert table == {0: 0.5, 1: 0.6, 2: 0.7}
+    written = (tmp_path / "run" / "results.md").read_text()
+    assert "| test environment | art | photo | sketch | Avg |" in written
+    assert "| accuracy | 50.0 | 60.0 | 70.0 | 60.0 |" in written
+    out = capsys.readouterr().out
+    assert written.strip() in out
+    assert out.splitlines()[0] == f"Run directory: {tmp_path / 'run'}"
+    assert out.count("Run directory:") == 1
+    assert out.splitlines()[-1].startswith("Wall time: 0m0")
+
+
+# ---- preprocess: a user's images become the batch the run's evaluation gives its model
+
+
+def write_run_info_of(folder, dataset, input_shape):
+    os.makedirs(folder)
+    info = {"dataset": dataset, "input_shape": input_shape, "class_names": ["a", "b"]}
+    rundir.write_json(os.path.join(folder, rundir.RUN_INFO), info)
+    return str(folder)
+
+
+def test_folder_images_are_resized_to_the_runs_input_and_normalised(tmp_path):
+    workdir = write_run_info_of(tmp_path / "run", "PACS", [32, 32, 3])
+    pixels = np.random.default_rng(0).integers(0, 256, (45, 70, 3), dtype=np.uint8)
+    path = str(tmp_path / "image.png")
+    Image.fromarray(pixels).save(path)
+    # What the run evaluated: the store's evaluation image, normalised on the device.
+    stored = store.decode_file(path, (45, 70), (45, 70), 32)[1]
+    expected = np.asarray(device_augment.normalize(stored.astype(np.float32) / 255.0))
+    with Image.open(path) as opened:
+        batch = train.preprocess(workdir, [path, pixels, opened])  # a file, an array, PIL's
+    assert batch.shape == (3, 32, 32, 3) and batch.dtype == np.float32
+    for image in batch:
+        np.testing.assert_allclose(image, expected, atol=1e-5)
+
+
+def test_mnist_like_images_keep_their_shape_and_scale(tmp_path):
+    workdir = write_run_info_of(tmp_path / "run", "RotatedDigits", [28, 28, 1])
+    digits = np.random.default_rng(1).integers(0, 256, (2, 28, 28, 1), dtype=np.uint8)
+    np.testing.assert_allclose(train.preprocess(workdir, digits), digits / 255.0, rtol=1e-6)
+    as_stored = digits.astype(np.float32) / 255.0
+    np.testing.assert_array_equal(train.preprocess(workdir, as_stored), as_stored)
+    with pytest.raises(ValueError, match=r"shape \(28, 28, 1\); got a batch of shape"):
+        train.preprocess(workdir, np.zeros((2, 32, 32, 3), np.uint8))
+
+
+# --- a run's data and records are checked when it resumes or is relaunched done -----------
+
+
+def resumable_folder_config(tmp_path):
+    """A tiny image-folder run on the device input path: evaluations after steps 0, 2, 4."""
+    return tiny_folder_config(
+        tmp_path,
+        cache_dir=str(tmp_path / "cache"),
+        input="device",
+        steps=5,
+        eval_every=2,
+        test_envs=(1,),
+    )
+
+
+class _Stopped(Exception):
+    pass
+
+
+def stop_after_checkpoint(monkeypatch, step):
+    """The next run stops right after saving the checkpoint of ``step``, as a kill would."""
+    save = train.Checkpoints.save
+
+    def save_then_stop(self, t, state, validation):
+        save(self, t, state, validation)
+        if t == step:
+            raise _Stopped
+
+    monkeypatch.setattr(train.Checkpoints, "save", save_then_stop)
+
+
+def _file_bytes(folder):
+    return {n: (folder / n).read_bytes() for n in ("split.json", "results.jsonl")}
+
+
+@pytest.mark.slow
+def test_a_dataset_changed_under_a_run_is_refused_on_resume_and_when_done(tmp_path, monkeypatch):
+    write_image_tree(tmp_path / "data")  # art has 8 images, 4 per class
+    run = tmp_path / "run"
+    with monkeypatch.context() as patched:
+        stop_after_checkpoint(patched, 2)
+        with pytest.raises(_Stopped):
+            train.train_one_run(resumable_folder_config(tmp_path), str(run))
+    before = _file_bytes(run)
+    extra = tmp_path / "data" / "art" / "cat" / "extra.jpg"
+    Image.fromarray(np.zeros((20, 20, 3), np.uint8)).save(extra)
+    with pytest.raises(ValueError, match=r"split.json.*environment `art`: 8 -> 9 images") as e:
+        train.train_one_run(resumable_folder_config(tmp_path), str(run))
+    assert "'in'" in str(e.value) and "--workdir" in str(e.value)
+    assert _file_bytes(run) == before  # split.json never rewritten, no record added
+    # Restoring the data, as the message says, resumes the run.
+    os.remove(extra)
+    records = train.train_one_run(resumable_folder_config(tmp_path), str(run))
+    assert [r["step"] for r in records] == [0, 2, 4]
+    # A finished run relaunched on changed data.
+    os.remove(tmp_path / "data" / "art" / "dog" / "0.jpg")
+    changed = r"environment `art`: 8 -> 7 images \(class `dog`: 4 -> 3\)"
+    with pytest.raises(ValueError, match=changed):
+        train.train_one_run(resumable_folder_config(tmp_path), str(run))
+
+
+@pytest.mark.slow
+def test_a_lost_or_repeated_record_is_refused_on_resume_and_when_done(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    with monkeypatch.context() as patched:
+        stop_after_checkpoint(patched, 2)
+        with pytest.raises(_Stopped):
+            train.train_one_run(digits_config(), str(run))
+    results = run / "results.jsonl"
+    lines = results.read_text().splitlines(keepends=True)
+    assert [json.loads(line)["step"] for line in lines] == [0, 2]
+    results.write_text(lines[0])  # `sed -i 2d`: the record of step 2 lost
+    with pytest.raises(rundir.RecordsError, match=r"results.jsonl: missing step\(s\) \[2\]"):
+        train.train_one_run(digits_config(), str(run))
+    results.write_text("".join(lines))
+    train.train_one_run(digits_config(), str(run))
+    lines = results.read_text().splitlines(keepends=True)
+    results.write_text("".join(lines[:2] + lines[1:]))  # step 2 duplicated
+    with pytest.raises(rundir.RecordsError, match=r"results.jsonl: repeated step\(s\) \[2\]"):
+        train.train_one_run(digits_config(), str(run))
+    results.write_text("".join(lines[:2]))  # the last one lost
+    with pytest.raises(rundir.RecordsError, match=r"missing step\(s\) \[4\]"):
+        train.train_one_run(digits_config(), str(run))
