@@ -76,11 +76,11 @@ def _ynn_operations(flags):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_reductions_and_dots_go_to_ynnpack_and_convolutions_stay_with_xla():
+def test_reductions_go_to_ynnpack_and_convolutions_and_dots_stay_with_xla():
     """The fusion-type flag reaches XLA: compiled alone, a column sum (BatchNorm's bias
-    gradient) and a dot are YNNPACK fusions, a 3x3 convolution is XLA's own (by default
-    YNNPACK takes it)."""
-    assert _ynn_operations(cpu.CPU_FLAGS) == ["dot", "reduce"]
+    gradient) is a YNNPACK fusion, a 3x3 convolution and a dot are XLA's own (by default
+    YNNPACK takes the convolution)."""
+    assert _ynn_operations(cpu.CPU_FLAGS) == ["reduce"]
     assert "convolution" in _ynn_operations([])
 
 
