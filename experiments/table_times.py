@@ -38,7 +38,7 @@ DATASETS = (
 )
 RUNS_IN_TABLE_1 = {"PACS": 12, "VLCS": 12, "OfficeHome": 12, "TerraIncognita": 12, "DomainNet": 18}
 
-# Measured on one H100 (docs/device_report_h100.txt, 2026-11-23), bfloat16, ResNet-50:
+# Measured on one H100 (docs/data/device_report_h100.txt, 2026-11-23), bfloat16, ResNet-50:
 STEP_MS = 1000 / 27.91  # the real loop's SAGM step at batch 96 (store -> device augmentation)
 AUGMENT_EXTRA_MS = 2.69 - 2.12  # device augmentation of 320x427 canvases over 227x227
 EVAL_IMAGES_PER_S = 1120 / 0.13  # an evaluation pass, batch 128, inputs from the host store
@@ -49,7 +49,7 @@ STARTUP_S = 82 - 4.7 - 300 / 27.91 - 4 * 0.13
 # save writes 200 MB in about 0.5 s; a ResNet-50 train state with Adam (parameters and
 # two moments, float32) is 3 x 23.5 M x 4 bytes = 282 MB.
 SAVE_S = 0.5 * 282 / 200
-# Measured on the development CPU (docs/bench_decode_cpu.txt): the compressed store's
+# Measured on the development CPU (docs/data/bench_decode_cpu.txt): the compressed store's
 # decode per core with simplejpeg, training and evaluation inputs.
 DECODE_PER_CORE = {"train": 2030, "eval": 4480}
 CORES = 16

@@ -1,5 +1,6 @@
-"""The README's examples run as written, its links and the docs' lead somewhere, and its
-layout table names the package as it is."""
+"""The README's examples (and the load_run example of docs/training.md) run as written,
+its links and the docs' lead somewhere, its layout table names the package as it is, and
+it stays short (the depth lives in docs/)."""
 
 import glob
 import os
@@ -9,6 +10,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
+TRAINING_DOC = os.path.join(ROOT, "docs", "training.md")
+README_MAX_LINES = 350
 PAGES = [README, *sorted(glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True))]
 
 
@@ -50,6 +53,11 @@ def test_links_stay_inside_the_repository(page):
             assert anchor in anchors(path), f"{target}#{anchor}"
 
 
+def test_readme_stays_short():
+    """The README is the tour; the depth lives in docs/."""
+    assert len(read(README).splitlines()) <= README_MAX_LINES
+
+
 def test_layout_table_names_the_package_as_it_is():
     """Every path the Layout table names exists, and every module and subpackage of
     sagm_jax has its row."""
@@ -70,18 +78,18 @@ def test_layout_table_names_the_package_as_it_is():
 
 @pytest.mark.slow
 def test_load_run_example_runs_on_a_trained_run(tmp_path):
-    """The README's inference example, on a real (tiny) RotatedDigits run."""
+    """docs/training.md's inference example, on a real (tiny) RotatedDigits run."""
     from sagm_jax.training import train
     from sagm_jax.config import mnist_config
 
     config = mnist_config("RotatedDigits")
     config.update(dict(batch_per_env=8, steps=2, eval_every=1, cnn_widths=(8, 8, 8, 8)))
     records = train.train_and_evaluate(config, str(tmp_path / "run"))
-    text = read(README)
+    text = read(TRAINING_DOC)
     (example,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "load_run" in b]
     example = example.replace('"workdirs/my-run"', repr(str(tmp_path / "run")))
     namespace = {}
-    exec(compile(example, "README.md:load_run", "exec"), namespace)
+    exec(compile(example, "docs/training.md:load_run", "exec"), namespace)
     record = namespace["record"]
     assert record == train.read_records(str(tmp_path / "run"))[record["step"]]
     assert len(records) == 2

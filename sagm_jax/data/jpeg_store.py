@@ -19,7 +19,7 @@ What is stored, per image (flat id order, as ``FolderIndex.paths``):
   the decoded store keeps), re-encoded the same way.
 
 Measured on this project's 2-core build machine (``experiments/bench_decode.py`` on a
-DomainNet-like folder of 3,181 images, ``docs/bench_decode_cpu.txt``), images per
+DomainNet-like folder of 3,181 images, ``docs/data/bench_decode_cpu.txt``), images per
 CPU-second of one thread:
 
 ================================  ==========================  ===========================
@@ -96,7 +96,7 @@ SHARD_BYTES = 1 << 30
 STREAMS = ("train", "eval")
 SHAPES, KEPT = "shapes.npy", "kept.npy"
 # Estimate of the store's bytes per stored pixel (training image plus S x S evaluation image),
-# for open_source's choice. Measured at QUALITY 95, 4:4:4 (docs/bench_decode_cpu.txt): 0.31
+# for open_source's choice. Measured at QUALITY 95, 4:4:4 (docs/data/bench_decode_cpu.txt): 0.31
 # over the DomainNet-like folder; by domain 0.09 (quickdraw, kept originals) to 0.44
 # (painting), photos 0.41. 0.5 bounds every domain, so the estimate errs large.
 BYTES_PER_PIXEL = 0.5

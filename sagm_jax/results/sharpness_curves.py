@@ -1,7 +1,7 @@
 """Local sharpness curves (the paper's Figure 3) from the checkpoints of finished runs.
 
     python -m sagm_jax.sharpness_curves --input_dir sweeps/rotated_digits \
-        --output_dir docs/study [--rhos 0,0.01,0.02,0.05,0.1,0.2] [--checkpoint latest]
+        --output_dir docs/data/study [--rhos 0,0.01,0.02,0.05,0.1,0.2] [--checkpoint latest]
 
 For every finished run under ``input_dir`` (``rundir.find_runs``: ``done`` and ``config.json``),
 the run's parameters are restored (``sagm_jax.load_run``: latest, best, or a SWAD run's

@@ -137,7 +137,7 @@ def test_pixels_within_the_measured_distance_of_pils(built):
     # Measured on these images (grain of +-8 levels on every pixel, JPEG's hardest content,
     # at quality 95, 4:4:4), in grey levels: re-encoded training images mean 2.5, max 19;
     # evaluation images mean 2.4, max 15. (On bench_decode.py's DomainNet-like folder:
-    # 0.92 / 22 and 0.88 / 23, docs/bench_decode_cpu.txt.)
+    # 0.92 / 22 and 0.88 / 23, docs/data/bench_decode_cpu.txt.)
     train_diff, eval_diff = np.concatenate(train_diff), np.concatenate(eval_diff)
     assert 1 < train_diff.mean() < 3 and train_diff.max() <= 24
     assert 1 < eval_diff.mean() < 3 and eval_diff.max() <= 20
