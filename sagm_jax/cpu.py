@@ -1,4 +1,4 @@
-"""XLA options the package sets for CPU runs (issue 12: the CPU step against PyTorch).
+"""XLA options the package sets for CPU runs (docs/cpu.md: the CPU step against PyTorch).
 
 This module owns the XLA flags that sagm_jax adds for its CPU runs. XLA reads
 ``XLA_FLAGS`` once, when JAX starts its backend, so ``configure()`` must run
