@@ -5,7 +5,7 @@
         [--rounds 5] [--steps 1] [--rows 0 1 2 3] [--row ARCH SIZE BATCH ALGORITHM]
         [--no-memory] [--check] [--only torch|ours]
 
-The PyTorch side is written here from the update rules (sagm-spec.md), not imported
+The PyTorch side is written here from the update rules (docs/optimizers.md), not imported
 from any other code: torchvision's ResNet-18/50 layout with DomainBed's head (frozen
 BatchNorm, dropout 0.5 on the pooled feature, a fresh linear layer) and
 
@@ -41,7 +41,7 @@ GPU, and JAX keeps XLA's GPU defaults. On the CPU, ``torch.set_num_threads(--thr
 and PyTorch's default kernels (oneDNN) against ours with ``sagm_jax.cpu.configure()``'s
 XLA flags (set only when ``--device cpu``).
 
-Presets: ``--device cpu`` times issue 12's rows (``ROWS``, ``--rows`` picks some),
+Presets: ``--device cpu`` times docs/cpu.md's rows (``ROWS``, ``--rows`` picks some),
 ``--device cuda`` the paper's setting (``GPU_ROWS``: ResNet-50, 224x224, batch 96 =
 32 x 3 training domains, SAGM); ``--row`` adds any (repeatable).
 
@@ -78,7 +78,7 @@ import time
 
 import numpy as np
 
-# (arch, image size, batch, algorithm): the rows of issue 12's table (the CPU preset).
+# (arch, image size, batch, algorithm): the rows of docs/cpu.md's table (the CPU preset).
 ROWS = (
     ("resnet18", 64, 96, "erm"),
     ("resnet18", 64, 96, "sagm"),

@@ -93,7 +93,7 @@ PRECISIONS = {  # pair: (PyTorch's, ours)
 
 
 def domainbed_in_split(n: int, env: int, trial_seed: int = 0) -> list[int]:
-    """DomainBed's "in" split of environment ``env`` (domainbed-protocol.md, "Splits")."""
+    """DomainBed's "in" split of environment ``env`` (docs/protocol.md, "Splits")."""
     seed = int(hashlib.md5(str((trial_seed, env)).encode("utf-8")).hexdigest(), 16) % 2**31
     keys = list(range(n))
     np.random.RandomState(seed).shuffle(keys)

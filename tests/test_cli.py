@@ -207,7 +207,7 @@ def test_ctrl_c_stops_cleanly_and_says_how_to_resume(tmp_path):
     assert again[: len(steps) - 1] == steps[: len(steps) - 1] and again[-1] == 59
 
 
-# --- issue 21: the pre-start check of test_envs, valid examples, did you mean ----------
+# --- the pre-start check of test_envs, valid examples, did you mean --------------------
 
 
 def image_folder(root, domains=("a", "b"), classes=("x", "y")):
@@ -316,7 +316,7 @@ def test_the_summary_labels_environments_as_the_tables_do(capsys):
     assert "| Algorithm | 0° | 15° | Avg |" in table
 
 
-# --- issue 21, items 11, 12 and 14: the first hour ------------------------------------
+# --- the first hour ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("parent", ["/proc", "/sys"])

@@ -259,7 +259,7 @@ def test_only_the_command_lines_check_looks_for_the_weights_file(tmp_path):
     assert config_problems(config, check_files=True) == []
 
 
-# --- issue 21, items 12 and 14: weights files and weights the network cannot take ----------
+# --- weights files and weights the network cannot take --------------------------------------
 
 
 def _safetensors(header: bytes, data: bytes) -> bytes:
@@ -389,7 +389,7 @@ def test_every_config_file_is_registered_with_its_dataset():
     assert registry.get_spec("ColoredMNIST").domains == ("+90%", "+80%", "-90%")
 
 
-# --- values that make no sense (issue 21, item 4) ---------------------------------------
+# --- values that make no sense ------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -417,7 +417,7 @@ def test_the_bounds_keep_sensible_values():
     assert config_problems(unlocked(arch="mnist_cnn", image_size=7, store_short_side=7)) == []
 
 
-# --- settings that do not change the result (issue 21, item 5) --------------------------
+# --- settings that do not change the result ----------------------------------------------
 
 
 def _md5_seed(config_dict, dropped):

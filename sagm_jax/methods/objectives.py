@@ -1,7 +1,8 @@
 """The objectives: the loss one train step minimises from the per-domain minibatches.
 
 This module owns every objective of ``methods.OBJECTIVES`` (ERM, Mixup, CutMix, CORAL,
-MMD, GroupDRO, IRM, VREx) as dg-algorithms.md sections 1-3 and 7-10 state them, their
+MMD, GroupDRO, IRM, VREx) as DomainBed's ``domainbed/algorithms.py`` and, for CutMix, the
+SAGM authors' ``Wang-pengfei/SAGM``, ``domainbed/algorithms/algorithms.py``, state them, their
 random draws (Mixup's pairs and weights, CutMix's coin, box and permutation), their
 penalties (public: ``coral_penalty``, ``mmd_penalty``, ``pairwise_penalty``,
 ``irm_penalty``) and their state (GroupDRO's ``q``; IRM's and VREx's anneal reads the
@@ -65,7 +66,7 @@ class Aux(NamedTuple):
 
 
 class CutMixDraws(NamedTuple):
-    """One CutMix draw for a whole batch (dg-algorithms section 3)."""
+    """One CutMix draw for a whole batch (the SAGM repository's ``CutMix``)."""
 
     apply: jax.Array  # bool scalar: the coin said cut (and beta > 0)
     lam_box: jax.Array  # float32: 1 - box area / (H * W), the weight of the own labels
@@ -174,7 +175,7 @@ def _aux(args: _Step, out: Outputs, metrics: dict, domain_losses, state=None) ->
 
 
 # ----------------------------------------------------------------------------
-# ERM (section 1).
+# ERM (DomainBed's ``ERM``).
 
 
 def _erm(args: _Step):
@@ -186,7 +187,7 @@ def _erm(args: _Step):
 
 
 # ----------------------------------------------------------------------------
-# Mixup (section 2).
+# Mixup (DomainBed's ``Mixup``).
 
 
 def mixup_draws(key, num_domains: int, alpha: float):
@@ -225,7 +226,7 @@ def _mixup(args: _Step):
 
 
 # ----------------------------------------------------------------------------
-# CutMix (section 3).
+# CutMix (the SAGM repository's ``CutMix``).
 
 
 def cutmix_box(lam, centre_a, centre_b, height: int, width: int):
@@ -285,7 +286,7 @@ def _cutmix(args: _Step):
 
 
 # ----------------------------------------------------------------------------
-# CORAL and MMD (section 7).
+# CORAL and MMD (DomainBed's ``AbstractMMD``, ``CORAL``, ``MMD``).
 
 
 def coral_penalty(a, b) -> jax.Array:
@@ -359,7 +360,7 @@ def _feature_matching(kind: str):
 
 
 # ----------------------------------------------------------------------------
-# GroupDRO (section 8).
+# GroupDRO (DomainBed's ``GroupDRO``).
 
 
 def _groupdro(args: _Step):
@@ -378,7 +379,7 @@ def _groupdro(args: _Step):
 
 
 # ----------------------------------------------------------------------------
-# IRM (section 9) and VREx (section 10).
+# IRM and VREx (DomainBed's ``IRM``, ``VREx``).
 
 
 def _scale_gradients(logits, labels) -> jax.Array:

@@ -3,7 +3,8 @@
 This module owns the three DomainBed algorithms that do not fit "one objective, one
 gradient, one optax chain": each needs the gradient of every training domain's
 minibatch on its own, sometimes at weights other than ``w``, and keeps its own
-optimizer state (dg-algorithms.md sections 4-6). Each is a :class:`Procedure`:
+optimizer state (DomainBed's ``domainbed/algorithms.py``: ``Fish``, ``ANDMask``, ``MLDG``).
+Each is a :class:`Procedure`:
 
     state = procedure.init(params)
     updates, state, metrics = procedure.update(params, state, domain_value_and_grad, key)

@@ -9,7 +9,7 @@ A run is ``objective x update rule (+ DISAM)``:
   (``sam``, ``gsam``, ``sagm``, ``erm_sam``; ``sagm_jax.methods.update_rules``), or a procedure that
   is its own update (``fish``, ``and_mask``, ``mldg``; ``sagm_jax.methods.procedures``);
 * DISAM (``config.disam_lambda`` > 0) replaces the ascent gradient of a head by the
-  domain-variance one (``sagm_jax.methods.update_rules``, dg-algorithms section 11).
+  domain-variance one (``sagm_jax.methods.update_rules``; docs/methods.md, "DISAM").
 
 Each entry names its label (the tables' row), its own hyperparameters (config key,
 default, meaning, bounds, and DomainBed's random distribution where it has one), its
@@ -72,7 +72,7 @@ class Method(NamedTuple):
     summary: str  # one line for the README and --help
     source: str  # where it comes from
     # Published test-domain accuracy (PACS, VLCS, OfficeHome, TerraInc, DomainNet, avg) and
-    # where it is printed (dg-algorithms.md section 16); () where none is.
+    # where it is printed (the last element); () where none is.
     published: tuple = ()
 
 

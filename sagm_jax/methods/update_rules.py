@@ -32,7 +32,7 @@ JAX already sums the gradients of replicated parameters over the axis.
 SAM authors' JAX code): each device perturbs with its own shard's gradient,
 computes its own direction, and the directions are averaged over ``axis_name``.
 
-DISAM (Zhang et al., ICLR 2024; docs/dg-algorithms.md section 11). Every head
+DISAM (Zhang et al., ICLR 2024; docs/methods.md, "DISAM"). Every head
 also accepts an ``ascent_grads`` extra argument, a pytree like ``g`` (or None):
 when given, the ascent step ``e`` is built from it instead of ``g``, while the
 descent direction keeps the clean ``g`` (SAGM's ``disam_descent="variance"``

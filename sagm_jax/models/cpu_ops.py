@@ -1,4 +1,4 @@
-"""ResNet operations in the forms that XLA's CPU backend runs fast (issue 12).
+"""ResNet operations in the forms that XLA's CPU backend runs fast (docs/cpu.md).
 
 This module owns the CPU-only reformulations of the ResNet's operations. Each one
 computes what the plain ``jax.lax`` operation computes (the same numbers up to float

@@ -1,8 +1,9 @@
 """SWAD's loss valley: which segment averages the final model averages, from losses alone.
 
 This module owns the DECISIONS of SWAD (Cha et al., NeurIPS 2021), as the SWAD/SAGM
-trainers' ``LossValley`` makes them (dg-algorithms.md section 12); ``sagm_jax.swad.averages``
-owns the arrays they act on. It is pure Python on the host and never sees a weight.
+trainers' ``LossValley`` makes them (``khanrc/swad``, ``domainbed/swad.py``; docs/swad.md);
+``sagm_jax.swad.averages`` owns the arrays they act on. It is pure Python on the host and
+never sees a weight.
 
 Segments. Evaluation ``k`` closes segment ``k``: segment 0 is step 0 alone, segment ``k``
 the steps after evaluation ``k - 1`` up to evaluation ``k``. ``ℓ_k`` is the validation

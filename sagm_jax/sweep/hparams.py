@@ -18,10 +18,10 @@ returns OUR config keys (``batch_per_env``, ``dropout``, ``fish_meta_lr``, ...).
   which order: the same (algorithm, dataset, hparams_seed, trial_seed) gives DomainBed's
   values (its ``hparams_registry`` since 2020-10-20).
 
-The shared distributions (dg-algorithms section 0; DomainBed's ``SMALL_IMAGES`` are its
-MNIST datasets, here with RotatedDigits, which runs the same CNN; DomainBed draws
-``resnet_dropout`` for them too, unused, and since every name has its own generator,
-leaving that draw out changes no other):
+The shared distributions (DomainBed's ``domainbed/hparams_registry.py``, ``_hparams``;
+DomainBed's ``SMALL_IMAGES`` are its MNIST datasets, here with RotatedDigits, which runs the
+same CNN; DomainBed draws ``resnet_dropout`` for them too, unused, and since every name has
+its own generator, leaving that draw out changes no other):
 
 =================  ===============================  =============================
 DomainBed name     ResNet datasets                  MNIST-like datasets

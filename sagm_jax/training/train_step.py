@@ -244,7 +244,7 @@ def _clean_gradients(loss_fn, state: TrainState, key, mixstyle, disam_lambda: fl
     """The clean pass: ``g = grad L_B(w)``, the objective's auxiliary output, and the extra
     arguments of the head. With DISAM (``disam_lambda`` > 0) one forward serves both
     gradients: ``g`` and ``g_DI = grad (L_B - lambda V)``, ``V`` the population variance
-    of the objective's per-domain terms (dg-algorithms section 11), as two
+    of the objective's per-domain terms (DISAM, docs/methods.md), as two
     vector-Jacobian products; the head builds its perturbation from ``g_DI``."""
     if not disam_lambda:
         grads, aux = jax.grad(loss_fn, has_aux=True)(

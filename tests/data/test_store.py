@@ -322,7 +322,7 @@ def test_sixteen_bit_pixels_are_pils(sixteen_bit_index, tmp_path, mode):
         np.testing.assert_array_equal(evals[k], expected_eval(path), err_msg=path)
 
 
-# ---- a build killed with SIGKILL (issue 21, item 6) ---------------------------------
+# ---- a build killed with SIGKILL ----------------------------------------------------
 _KILLED_BUILD = """
 import os, sys, time
 from sagm_jax.data import canvas, image_folder, store

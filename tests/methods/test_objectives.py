@@ -1,5 +1,7 @@
-"""sagm_jax.methods.objectives against float64 NumPy re-statements of dg-algorithms.md sections
-1-3 and 7-10.
+"""sagm_jax.methods.objectives against float64 NumPy re-statements of DomainBed's
+``domainbed/algorithms.py`` (``ERM``, ``Mixup``, ``CORAL``, ``MMD``, ``GroupDRO``, ``IRM``,
+``VREx``) and the SAGM authors' ``CutMix`` (``Wang-pengfei/SAGM``,
+``domainbed/algorithms/algorithms.py``).
 
 The network is linear (features = flattened image @ W1, logits = features @ W2), so the
 re-statements below compute every loss, penalty and the gradients they need by hand;
@@ -293,7 +295,7 @@ def test_vrex_population_variance_weight_switch_and_last_domain_nll():
 
 
 # ----------------------------------------------------------------------------
-# GroupDRO (section 8).
+# GroupDRO (DomainBed's ``GroupDRO``).
 
 
 def test_groupdro_q_over_three_steps_and_second_evaluation():
@@ -325,7 +327,7 @@ def test_groupdro_q_over_three_steps_and_second_evaluation():
 
 
 # ----------------------------------------------------------------------------
-# Mixup (section 2).
+# Mixup (DomainBed's ``Mixup``).
 
 
 def test_mixup_draws_pair_each_domain_once_each_way():
@@ -358,7 +360,7 @@ def test_mixup_loss_with_the_drawn_pairs():
 
 
 # ----------------------------------------------------------------------------
-# CutMix (section 3).
+# CutMix (the SAGM repository's ``CutMix``).
 
 
 def np_cutmix_box(lam, u, v, height, width):

@@ -1,7 +1,8 @@
-"""Fish, AND-mask and MLDG against a float64 NumPy re-statement of dg-algorithms.md
-sections 4-6, on softmax regression (W [d, C], b [C]) whose cross-entropy gradient is
-closed-form: dW = X^T (softmax - onehot) / n, db = mean(softmax - onehot). The NumPy side
-has its own PyTorch Adam (coupled L2); every update runs under jax.jit."""
+"""Fish, AND-mask and MLDG against a float64 NumPy re-statement of DomainBed's
+``domainbed/algorithms.py`` (``Fish``, ``ANDMask``, ``MLDG``), on softmax regression
+(W [d, C], b [C]) whose cross-entropy gradient is closed-form:
+dW = X^T (softmax - onehot) / n, db = mean(softmax - onehot). The NumPy side has its own
+PyTorch Adam (coupled L2); every update runs under jax.jit."""
 
 import jax
 import jax.numpy as jnp

@@ -1,7 +1,9 @@
-"""sagm_jax.methods.update_rules against an independent float64 NumPy implementation of sagm-spec.md.
+"""sagm_jax.methods.update_rules against an independent float64 NumPy implementation of the
+update rules (docs/optimizers.md; the SAGM authors' ``Wang-pengfei/SAGM``,
+``domainbed/optimizers/sagm.py``).
 
 The reference below computes a small MLP's cross-entropy gradient by hand
-(no autodiff) and applies the spec's formulas and PyTorch's Adam with coupled
+(no autodiff) and applies those formulas and PyTorch's Adam with coupled
 L2 decay literally; the JAX side runs the package's transforms under jit.
 """
 
@@ -505,7 +507,7 @@ def test_gsams_default_alpha_is_its_papers():
 
 
 # ----------------------------------------------------------------------------
-# DISAM (dg-algorithms.md section 11): the heads' ascent step from
+# DISAM (docs/methods.md, "DISAM"): the heads' ascent step from
 # g_DI = grad(L_bar - lambda V), restated by hand from the per-domain gradients.
 
 DISAM_LAMBDA = 0.5

@@ -1,10 +1,11 @@
 """SWAD's loss valley (sagm_jax.swad) against a re-statement of the reference procedure.
 
-The re-statement below follows dg-algorithms.md section 12 line by line, with deques of
-"models" (a segment's weights as one float, its end step and its loss) and an averager
-that counts its additions as the reference's ``AveragedModel`` does (a count-0 seed the
-first addition overwrites). ``select_segments`` is checked against it through the mean
-of the values at the indices it returns, and through the order of the added models.
+The re-statement below follows SWAD's ``LossValley`` (``khanrc/swad``,
+``domainbed/swad.py``) line by line, with deques of "models" (a segment's weights as one
+float, its end step and its loss) and an averager that counts its additions as the
+reference's ``AveragedModel`` does (a count-0 seed the first addition overwrites).
+``select_segments`` is checked against it through the mean of the values at the indices it
+returns, and through the order of the added models.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def check_against_reference(losses, **options):
 
 
 # Loss sequences that hit each quirk (defaults N_c 3, N_t 6, r 0.3), with the lists
-# derived by hand from section 12's pseudocode.
+# derived by hand from ``LossValley``'s procedure.
 VALLEY = [1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.55, 0.6, 0.58, 0.59, 0.6, 0.62]
 # converges at update 7 with c = 5, tau = 0.715, Q = [2, 3, 4, 5], start = 1:
 # seed 5, adds 4, 5 (3 = Q[start] skipped); 5 again at update 10, 6 at 11; finish 7..11.

@@ -174,8 +174,9 @@ def test_per_device_mode_keeps_the_replicated_copies_equal(algorithm):
 
 
 def _restated_objective(objective, params, images, labels, q, gamma=0.7, eta=0.3):
-    """CORAL or GroupDRO of ToyModel over 3 equal domains, written from the spec
-    (dg-algorithms sections 7, 8) in float64, independently of sagm_jax.methods.objectives.
+    """CORAL or GroupDRO of ToyModel over 3 equal domains, written from DomainBed's
+    ``domainbed/algorithms.py`` (``CORAL``, ``GroupDRO``) in float64, independently of
+    sagm_jax.methods.objectives.
     Returns (loss, per-domain cross-entropies, GroupDRO's advanced q)."""
     feats = images.reshape(images.shape[0], -1)
     logits = feats @ params["Dense_0"]["kernel"] + params["Dense_0"]["bias"]
