@@ -31,9 +31,9 @@ from sagm_jax.models import ARCHS, WEIGHTS_FILES, weights_url
 from sagm_jax.models.mnist_cnn import CONV_LAYERS, GROUPNORM_GROUPS
 from sagm_jax.models.resnet import ARCHITECTURES as RESNET_ARCHS, MIXSTYLE_STAGES
 from sagm_jax.models.torchvision_weights import ACCEPTED_FORMATS, weights_file_problem
-from sagm_jax.methods.registry import OBJECTIVES, PROCEDURES, UPDATE_RULES, combination_problem
+from sagm_jax.methods.registry import HEADS, OBJECTIVES, PROCEDURES, UPDATE_RULES, combination_problem
 from sagm_jax.methods.registry import hyperparameters as method_hyperparameters
-from sagm_jax.methods.update_rules import GSAM_ALPHA, SAGM_ALPHA
+from sagm_jax.methods.update_rules import GSAM_ALPHA, RHO, SAGM_ALPHA
 
 # A field's check: (value, config, device_count) -> None, or what was expected.
 # ``device_count`` is JAX's when known (None before JAX starts).
@@ -184,8 +184,6 @@ def _store_short_side(value, config, device_count):
         )
 
 
-# The algorithms that perturb the weights, for which rho = 0 is not the algorithm.
-_PERTURBING = ("sam", "gsam", "sagm", "erm_sam")
 
 
 # rho's bound. The published radii are 0.01-0.1 (SAM, GSAM, SAGM) and up to 2 for
@@ -202,7 +200,7 @@ def _rho(value, config, device_count):
             f"a number in [0, {RHO_MAX:g}] (the radius of the perturbation; published "
             "radii are 0.01-0.1, ASAM's up to 2)"
         )
-    if value == 0 and config.get("algorithm") in _PERTURBING:
+    if value == 0 and config.get("algorithm") in HEADS:  # they perturb: rho 0 is not them
         return f"a number > 0: with rho 0, algorithm={config.algorithm} does not perturb"
 
 
@@ -418,7 +416,7 @@ FIELDS: dict[str, tuple[Field, ...]] = {
             "coupled L2 weight decay (added to the gradient, as torch's Adam)",
             _number(">= 0"),
         ),
-        Field("rho", 0.05, "radius of the perturbation (SAM, GSAM, SAGM)", _rho),
+        Field("rho", RHO, "radius of the perturbation (SAM, GSAM, SAGM)", _rho),
         # e = (rho/||g|| - alpha) g: alpha is the step size of SAGM's descent term. Below
         # 0 that term ascends too and e outgrows the rho-ball with ||g||; at 1 or more it
         # is a whole gradient step or more, larger than any learning rate here (the
@@ -589,7 +587,7 @@ def resnet50_config(dataset: str) -> ml_collections.ConfigDict:
     numbers (lr, weight decay, alpha, steps) are set in ``configs/<dataset>.py``."""
     config = base_config()
     config.dataset = dataset
-    config.arch, config.dropout, config.rho = "resnet50", 0.5, 0.05
+    config.arch, config.dropout, config.rho = "resnet50", 0.5, RHO
     return config
 
 

@@ -56,9 +56,14 @@ import optax
 GradFn = Callable[[optax.Params, int], optax.Updates]
 ScalarOrSchedule = Union[float, optax.Schedule]
 
-# The one list of algorithm names: the config checks, the sweep and the result tables
-# import it (``erm_sam`` is SAGM with ``alpha = 0``, the paper's Table 3 "ERM + SAM").
+# The rules ``paper_optimizer`` builds (``erm_sam`` is SAGM with ``alpha = 0``, the
+# paper's Table 3 "ERM + SAM"). The config, the sweep and the tables read the method
+# registry (``sagm_jax.methods.UPDATE_RULES``), which also holds the procedures.
 ALGORITHMS = ("erm", "sam", "gsam", "sagm", "erm_sam")
+
+# The perturbation radius of every sharpness-aware rule: the paper's, for every dataset
+# (and SAM's and GSAM's usual one); the config's, the search's and the transforms' default.
+RHO = 0.05
 
 # SAGM's alpha: the paper's PACS/VLCS/TerraIncognita value (its OfficeHome and DomainNet
 # runs use 5e-4; configs/<dataset>.py).
@@ -236,7 +241,7 @@ def _sharpness_aware(
 
 
 def sagm(
-    rho: ScalarOrSchedule = 0.05,
+    rho: ScalarOrSchedule = RHO,
     alpha: float = SAGM_ALPHA,
     *,
     eps: float = 1e-12,
@@ -314,7 +319,7 @@ def sagm(
 
 
 def sam(
-    rho: ScalarOrSchedule = 0.05,
+    rho: ScalarOrSchedule = RHO,
     *,
     eps: float = 1e-12,
     adaptive: bool = False,
@@ -333,7 +338,7 @@ def sam(
 
 
 def gsam(
-    rho: ScalarOrSchedule = 0.05,
+    rho: ScalarOrSchedule = RHO,
     alpha: float = GSAM_ALPHA,
     *,
     eps: float = 1e-12,
@@ -396,7 +401,7 @@ def paper_optimizer(
     *,
     learning_rate: ScalarOrSchedule,
     weight_decay: float,
-    rho: ScalarOrSchedule = 0.05,
+    rho: ScalarOrSchedule = RHO,
     alpha: Optional[float] = None,
     combine: str = "mean",
     disam_descent: str = "clean",

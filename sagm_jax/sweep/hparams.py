@@ -53,7 +53,7 @@ import numpy as np
 from sagm_jax import methods
 from sagm_jax.data import registry
 from sagm_jax.methods.registry import Distribution, Hyperparameter, choice, log_uniform
-from sagm_jax.methods.update_rules import GSAM_ALPHA, SAGM_ALPHA
+from sagm_jax.methods.update_rules import GSAM_ALPHA, RHO, SAGM_ALPHA
 
 # Our config key -> DomainBed's hyperparameter name, where they differ; the name seeds
 # the draw, so it must be DomainBed's.
@@ -66,7 +66,7 @@ DOMAINBED_NAMES = {
 }
 
 # The sharpness-aware heads' hyperparameters: ours, DomainBed has none.
-_RHO = Hyperparameter("rho", 0.05, "", "", Distribution("0.05", lambda rng: 0.05))
+_RHO = Hyperparameter("rho", RHO, "", "", Distribution(f"{RHO:g}", lambda rng: RHO))
 HEAD_HPARAMS = {
     "sam": (_RHO,),
     "gsam": (_RHO, Hyperparameter("gsam_alpha", GSAM_ALPHA, "", "",
