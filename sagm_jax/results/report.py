@@ -1,0 +1,199 @@
+"""The whole report of ``python -m sagm_jax.collect_results`` (:func:`build_report`):
+the tables, the winners' tables when asked, and the notes (what the cells mean, runs
+left out, and under leave-one-domain-out the missing pair runs with the sweep command
+that adds them, :func:`pair_runs_command`)."""
+
+from __future__ import annotations
+
+import collections
+import shlex
+
+from sagm_jax import methods
+from sagm_jax.results import selection
+from sagm_jax.results.listings import winners_table
+from sagm_jax.results.records import (
+    DOMAINBED,
+    Run,
+    env_labels,
+    is_domainbed,
+    load_sweep,
+    method_name,
+    method_of,
+    select_settings,
+)
+from sagm_jax.results.tables import (
+    PLUS_MINUS,
+    Sweep,
+    dataset_order,
+    dataset_table,
+    latex_escape,
+    table_1,
+    table_2,
+    table_3,
+)
+
+
+def report_notes(name, pm, finished, sweeps, incomplete, not_started) -> list[str]:
+    """What the cells mean, test environments missing from a dataset, and the runs
+    left out."""
+    notes = [
+        f"Model selection: {name}. Cells: mean {pm} standard error over trial seeds, "
+        "s.e. = np.std(x, ddof=0) / sqrt(n) (DomainBed's); a dataset's entry averages "
+        "its test environments per seed; '-' = no runs; (k/n) = over k of the n trial "
+        "seeds of that dataset in the sweep; (partial) = an average including such a cell."
+    ]
+    n_envs = {
+        r.records[0]["args"]["dataset"]: sum(
+            1 for k in r.records[0] if k.startswith("env") and k.endswith("_out_acc")
+        )
+        for r in finished
+    }
+    for sweep, kind in zip(sweeps, ("out-of-domain", "in-domain")):
+        for dataset in sweep.datasets:
+            if len(sweep.test_envs[dataset]) < n_envs[dataset]:
+                notes.append(
+                    f"{dataset} ({kind}): test environments "
+                    f"{', '.join(map(str, sweep.test_envs[dataset]))} only, of {n_envs[dataset]}."
+                )
+    if incomplete:
+        notes.append("Incomplete runs (no 'done'; left out): " + ", ".join(incomplete) + ".")
+    if not_started:
+        notes.append("Jobs without records (not started): " + ", ".join(sorted(not_started)) + ".")
+    return notes
+
+
+def missing_pair_runs(groups: dict, split: str = "domainbed") -> dict:
+    """``{(dataset, method): [test environments]}`` where a trial seed has the single run
+    (t,) but no setting with every pair run (t, v) that leave-one-domain-out needs
+    (``selection.leave_one_out_run`` finds no step)."""
+    missing = collections.defaultdict(set)
+    for (group_split, dataset, method, _, t), settings in groups.items():
+        singles = [runs for runs in settings.values() if (t,) in runs]
+        if group_split == split and singles:
+            if all(selection.leave_one_out_run(runs, t) is None for runs in singles):
+                missing[dataset, method].add(t)
+    return {key: sorted(envs) for key, envs in missing.items()}
+
+
+def pair_runs_command(runs: list[Run], missing: dict, input_dir: str) -> str:
+    """The sweep command that adds the pair runs of the ``missing`` (dataset, method)
+    pairs of our runs (``--test_envs all_with_pairs``; the done single runs are skipped).
+    The sweep's other arguments (``--hparams``, ``--grid``, ``--set``) are not in the
+    records' methods, so the command says to add them."""
+    axes = {k: [] for k in ("datasets", "algorithms", "objectives", "disam_lambdas", "seeds")}
+    for run in runs:
+        first = run.records[0]
+        if is_domainbed(first) or (first["args"]["dataset"], method_name(first)) not in missing:
+            continue
+        objective, algorithm, disam = method_of(first)
+        args = first["args"]
+        values = (args["dataset"], algorithm, objective, disam, args["trial_seed"])
+        for key, value in zip(axes, values):
+            if value not in axes[key]:
+                axes[key].append(value)
+    order = {  # each axis in its table's order
+        "datasets": dataset_order,
+        "algorithms": list(methods.UPDATE_RULES).index,
+        "objectives": list(methods.OBJECTIVES).index,
+    }
+    axes = {k: sorted(v, key=order.get(k)) for k, v in axes.items()}
+    words = ["python", "-m", "sagm_jax.sweep", "launch", "--datasets", *axes["datasets"]]
+    words += ["--algorithms", *axes["algorithms"]]
+    if axes["objectives"] != ["erm"]:
+        words += ["--objectives", *axes["objectives"]]
+    if axes["disam_lambdas"] != [0.0]:
+        words += ["--disam_lambdas", *(f"{v:g}" for v in axes["disam_lambdas"])]
+    words += ["--trial_seeds", *(str(s) for s in axes["seeds"])]
+    words += ["--test_envs", "all_with_pairs", "--output_dir", input_dir]
+    return shlex.join(words) + " <the sweep's --hparams, --grid and --set>"
+
+
+def missing_pairs_note(missing: dict, ood: Sweep, command: str) -> str:
+    """Leave-one-domain-out's note: which methods lack pair runs, and how to add them."""
+    parts = []
+    for dataset in ood.datasets:
+        entries = [
+            f"{method} (test environments {', '.join(map(str, missing[dataset, method]))})"
+            for method in ood.methods
+            if (dataset, method) in missing
+        ]
+        if entries:
+            parts.append(f"{dataset}: " + ", ".join(entries))
+    note = (
+        "Leave-one-domain-out needs, beside each single run (t,), the pair runs (t, v) "
+        "holding out t and each other environment v; missing for " + "; ".join(parts) + ". "
+        f"Add them with: {command} (jobs already done are skipped)."
+    )
+    if any(method.endswith(DOMAINBED) for _, method in missing):
+        note += " DomainBed's runs: its sweep.py without --single_test_envs."
+    return note
+
+
+def no_entry_text(title: str, latex: bool) -> str:
+    """What stands in place of a table that leave-one-domain-out leaves without entries."""
+    text = (
+        "No entry: the sweep has no pair runs that leave-one-domain-out can use here "
+        "(the notes say which are missing and how to add them)."
+    )
+    return f"% {latex_escape(f'{title}: {text}')}" if latex else f"### {title}\n\n{text}"
+
+
+def check_options(selection_name: str, pm: str) -> None:
+    if pm not in PLUS_MINUS:
+        raise ValueError(f"--pm {pm!r}: expected one of {', '.join(PLUS_MINUS)}.")
+    if selection_name not in selection.RUN_SELECTIONS:
+        raise ValueError(
+            f"--selection {selection_name!r}: expected one of "
+            f"{', '.join(selection.RUN_SELECTIONS)}."
+        )
+
+
+
+def build_report(
+    input_dir: str,
+    selection_name: str = "training_domain",
+    latex: bool = False,
+    pm: str = PLUS_MINUS[0],
+    winners: bool = False,
+) -> str:
+    """The whole report (tables and notes) as one string; ``pm``: "±", or "+/-" as
+    DomainBed prints (LaTeX always uses $\\pm$); ``winners``: after the tables, which
+    setting won each cell (:func:`winners_table`)."""
+    check_options(selection_name, pm)
+    loaded = load_sweep(input_dir)
+    finished, groups = loaded.finished, loaded.groups
+    choices = select_settings(groups, selection_name)
+    chosen = {group: choice["test_acc"] for group, choice in choices.items()}
+    ood, in_domain = Sweep(chosen, groups, "domainbed"), Sweep(chosen, groups, "in_domain")
+    name = selection.SELECTION_NAMES[selection_name]
+    missing = missing_pair_runs(groups) if selection_name == "leave_one_out" else {}
+    # Under leave-one-domain-out, a table or a dataset without any entry is a missing-
+    # runs message, not a table of dashes.
+    has_entry = {d for (d, *_) in ood.acc} if missing else set(ood.datasets)
+    labels = env_labels(finished, input_dir)
+    out = []
+    if ood.datasets:
+        out.append(table_1(ood, name, latex, pm) if has_entry else no_entry_text("Table 1", latex))
+        for d in ood.datasets:
+            table = dataset_table(ood, d, labels.get(d), name, latex, pm)
+            out.append(table if d in has_entry else no_entry_text(d, latex))
+    if in_domain.datasets:
+        out.append(table_2(in_domain, ood, name, latex, pm))
+    if ood.datasets:
+        out.append(table_3(ood, name, latex, pm) if has_entry else no_entry_text("Table 3", latex))
+    for split, sweep in (("domainbed", ood), ("in_domain", in_domain)) if winners else ():
+        out += [
+            winners_table(loaded, choices, split, d, labels.get(d), name, latex)
+            for d in sweep.datasets
+            if any(g[:2] == (split, d) for g in choices)
+        ]
+    left_out = (loaded.incomplete, loaded.not_started)
+    notes = report_notes(name, pm, finished, (ood, in_domain), *left_out)
+    if missing:
+        command = pair_runs_command(finished, missing, input_dir)
+        notes.append(missing_pairs_note(missing, ood, command))
+    if latex:
+        out += ["% " + latex_escape(n).replace(pm, "$\\pm$") for n in notes]
+    else:
+        out += ["Notes:", "\n".join(f"- {n}" for n in notes)]
+    return "\n\n".join(out) + "\n"
