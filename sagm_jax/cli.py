@@ -1,7 +1,7 @@
 """What ``python -m sagm_jax.main`` tells its user: help, checks before a run, errors.
 
 Owns everything around the training call: ``--help`` (the flags, then every config
-field with its value and meaning from :data:`sagm_jax.config.FIELDS`); the checks of
+field with its value and meaning from :func:`sagm_jax.config.fields`); the checks of
 the command line before absl parses it (``--config`` missing or unreadable, unknown
 keys); the checks of the loaded config before anything heavy starts, which list every
 missing input at once with the flag that supplies it (data, weights files and their
@@ -193,7 +193,7 @@ def help_text(path: str | None = None) -> str:
         "",
         f"config fields ({source}):",
     ]
-    for section, fields in config_lib.FIELDS.items():
+    for section, fields in config_lib.fields().items():
         lines.append(f"  {config_lib.SECTION_TITLES[section]}")
         for field in fields:
             flag = f"    --config.{field.key}={flag_value(values.get(field.key))}"

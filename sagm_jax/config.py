@@ -1,9 +1,9 @@
-"""The one config system: every field (:data:`FIELDS`: key, default, meaning, check), the
+"""The one config system: every field (:func:`fields`: key, default, meaning, check), the
 base ml-collections config built from it, the paper's hyperparameters, and the checks.
 
 Every file in ``configs/`` starts from :func:`base_config` and overrides the
 fields its dataset needs; ``--config.key=value`` overrides on the command line.
-:func:`section` gives the values of one section of :data:`FIELDS` to the code that
+:func:`section` gives the values of one section of :func:`fields` to the code that
 owns it (``sagm_jax.training.train.optimizer_from_config`` takes ``"optimizer"``).
 :func:`config_problems` runs every field's check and lists every value the run cannot
 honour, one line each, naming the key and what was expected (:func:`validate` raises
@@ -31,9 +31,15 @@ from sagm_jax.models import ARCHS, WEIGHTS_FILES, weights_url
 from sagm_jax.models.mnist_cnn import CONV_LAYERS, GROUPNORM_GROUPS
 from sagm_jax.models.resnet import ARCHITECTURES as RESNET_ARCHS, MIXSTYLE_STAGES
 from sagm_jax.models.torchvision_weights import ACCEPTED_FORMATS, weights_file_problem
-from sagm_jax.methods.registry import HEADS, OBJECTIVES, PROCEDURES, UPDATE_RULES, combination_problem
+from sagm_jax.methods.registry import (
+    OBJECTIVES,
+    UPDATE_RULES,
+    combination_problem,
+    owners,
+    rule_names,
+)
 from sagm_jax.methods.registry import hyperparameters as method_hyperparameters
-from sagm_jax.methods.update_rules import GSAM_ALPHA, RHO, SAGM_ALPHA
+from sagm_jax.methods.update_rules import RHO
 
 # A field's check: (value, config, device_count) -> None, or what was expected.
 # ``device_count`` is JAX's when known (None before JAX starts).
@@ -116,12 +122,15 @@ class OneOf:
             return f"one of {', '.join(self.names)}"
 
 
-def _bounds(bounds: str) -> Check:
+def _bounds(bounds: str, note: str = "") -> Check:
     """The check of a method hyperparameter's bounds as ``sagm_jax.methods`` writes them:
-    ``"int >= k"`` or an interval of :func:`_number`."""
+    ``"int >= k"``, ``"one of a, b"`` or an interval of :func:`_number`; ``note`` follows
+    the expected value in the message."""
     if bounds.startswith("int >= "):
-        return _integer(int(bounds.split()[-1]))
-    return _number(bounds)
+        return _integer(int(bounds.split()[-1]), note)
+    if bounds.startswith("one of "):
+        return OneOf(tuple(bounds[len("one of "):].split(", ")))
+    return _number(bounds, note)
 
 
 def _test_envs(value, config, device_count):
@@ -200,7 +209,7 @@ def _rho(value, config, device_count):
             f"a number in [0, {RHO_MAX:g}] (the radius of the perturbation; published "
             "radii are 0.01-0.1, ASAM's up to 2)"
         )
-    if value == 0 and config.get("algorithm") in HEADS:  # they perturb: rho 0 is not them
+    if value == 0 and config.get("algorithm") in rule_names("head"):  # rho 0 is not them
         return f"a number > 0: with rho 0, algorithm={config.algorithm} does not perturb"
 
 
@@ -236,10 +245,11 @@ def _num_devices(value, config, device_count):
 
 # --- the fields ---------------------------------------------------------------------
 
-# The one definition of every config field, by section: base_config() builds the
-# ConfigDict from it, `python -m sagm_jax.main --help` prints it under SECTION_TITLES,
-# config_problems() runs each check, and section() hands one section's values to the
-# code that owns it; DomainBed's and the paper's defaults where they exist.
+# The one definition of every config field, by section (fields() adds the "method"
+# section, read from the method registries): base_config() builds the ConfigDict from
+# it, `python -m sagm_jax.main --help` prints it under SECTION_TITLES, config_problems()
+# runs each check, and section() hands one section's values to the code that owns it;
+# DomainBed's and the paper's defaults where they exist.
 FIELDS: dict[str, tuple[Field, ...]] = {
     "data": (
         Field(
@@ -390,25 +400,7 @@ FIELDS: dict[str, tuple[Field, ...]] = {
             _cnn_widths,
         ),
     ),
-    "method": (
-        Field(
-            "objective",
-            "erm",
-            "the loss a step minimises: " + ", ".join(OBJECTIVES),
-            OneOf(tuple(OBJECTIVES)),
-        ),
-        *(
-            Field(hp.key, hp.default, hp.meaning, _bounds(hp.bounds))
-            for hp in method_hyperparameters()
-        ),
-    ),
     "optimizer": (
-        Field(
-            "algorithm",
-            "sagm",
-            "the update rule: " + ", ".join(UPDATE_RULES) + " (erm_sam: SAGM with alpha 0)",
-            OneOf(tuple(UPDATE_RULES)),
-        ),
         Field("lr", 3e-5, "Adam's learning rate (constant)", _number("> 0")),
         Field(
             "weight_decay",
@@ -416,46 +408,7 @@ FIELDS: dict[str, tuple[Field, ...]] = {
             "coupled L2 weight decay (added to the gradient, as torch's Adam)",
             _number(">= 0"),
         ),
-        Field("rho", RHO, "radius of the perturbation (SAM, GSAM, SAGM)", _rho),
-        # e = (rho/||g|| - alpha) g: alpha is the step size of SAGM's descent term. Below
-        # 0 that term ascends too and e outgrows the rho-ball with ||g||; at 1 or more it
-        # is a whole gradient step or more, larger than any learning rate here (the
-        # paper: 5e-4, 1e-3; its code's search: up to 0.1).
-        Field(
-            "alpha",
-            SAGM_ALPHA,
-            "SAGM's alpha, in its ascent step e = (rho/||g|| - alpha) g",
-            _number(
-                "[0, 1)",
-                " (SAGM's descent step size in e = (rho/||g|| - alpha) g; the paper uses "
-                "5e-4 or 1e-3; a negative alpha lengthens the ascent step beyond the rho-ball)",
-            ),
-        ),
-        # d = g_p - alpha g_perp: below 0 GSAM descends the surrogate gap's ascent
-        # direction (the opposite of GSAM); above 1 the orthogonal step outweighs SAM's.
-        Field(
-            "gsam_alpha",
-            GSAM_ALPHA,
-            "GSAM's alpha (its paper's setting for ResNets), in d = g_p - alpha g_perp",
-            _number(
-                "[0, 1]",
-                " (GSAM's weight of the orthogonal ascent in d = g_p - alpha g_perp; 0 is "
-                f"SAM, its paper's setting for ResNets is {GSAM_ALPHA:g})",
-            ),
-        ),
-        Field(
-            "combine",
-            "mean",
-            'SAGM: "mean" (the released code) or "sum" (the paper\'s text)',
-            OneOf(("mean", "sum")),
-        ),
         Field("adaptive", False, "ASAM-style scaling of the perturbation by |w|", _BOOL),
-        Field(
-            "disam_descent",
-            "clean",
-            'DISAM on SAGM: "clean" (d = (g + g_p)/2) or "variance" (g_DI in place of g)',
-            OneOf(("clean", "variance")),
-        ),
         Field(
             "perturbation",
             "global",
@@ -550,22 +503,56 @@ FIELDS: dict[str, tuple[Field, ...]] = {
 SECTION_TITLES = {
     "data": "data (see sagm_jax.data)",
     "model": "model (see sagm_jax.models)",
-    "method": "objective and method hyperparameters (see sagm_jax.methods, sagm_jax.methods.objectives)",
-    "optimizer": "optimizer (see sagm_jax.methods.update_rules; built by sagm_jax.training.train)",
+    "method": "objective, update rule and their hyperparameters (see sagm_jax.methods)",
+    "optimizer": "Adam and the heads' settings (see sagm_jax.methods.update_rules)",
     "step": "train step and devices (see sagm_jax.training.train_step)",
     "swad": "SWAD weight averaging (see sagm_jax.swad, sagm_jax.swad.averages)",
     "schedule": "schedule",
 }
 
 
+def method_fields() -> tuple[Field, ...]:
+    """The "method" section, read from ``sagm_jax.methods``' registries as they are now (a
+    method registered at run time brings its hyperparameters): the objective, the update
+    rule, and every hyperparameter of a registered method with its default, meaning and
+    bounds (rho's own check: 0 is refused for a rule that perturbs)."""
+    fields = [
+        Field("objective", "erm", "the loss a step minimises: " + ", ".join(OBJECTIVES),
+              OneOf(tuple(OBJECTIVES))),
+        Field("algorithm", "sagm",
+              "the update rule: " + ", ".join(UPDATE_RULES) + " (erm_sam: SAGM with alpha 0)",
+              OneOf(tuple(UPDATE_RULES))),
+    ]
+    taken = {field.key for section_fields in FIELDS.values() for field in section_fields}
+    for hp in method_hyperparameters():
+        if hp.key in taken:
+            raise ValueError(
+                f"method hyperparameter {hp.key!r} ({', '.join(owners(hp.key))}) is a config "
+                "field of its own already; register it under another key."
+            )
+        check = _rho if hp.key == "rho" else _bounds(hp.bounds, hp.note)
+        fields.append(Field(hp.key, hp.default, hp.meaning, check))
+    return tuple(fields)
+
+
+def fields() -> dict[str, tuple[Field, ...]]:
+    """Every section's fields: :data:`FIELDS` with the "method" section after "model"."""
+    result = {}
+    for name, section_fields in FIELDS.items():
+        result[name] = section_fields
+        if name == "model":
+            result["method"] = method_fields()
+    return result
+
+
 def all_fields() -> Iterator[Field]:
-    """Every field of :data:`FIELDS`, section by section."""
-    for fields in FIELDS.values():
-        yield from fields
+    """Every field of :func:`fields`, section by section."""
+    for section_fields in fields().values():
+        yield from section_fields
 
 
 def base_config() -> ml_collections.ConfigDict:
-    """Every field of :data:`FIELDS` at its default."""
+    """Every field of :func:`fields` at its default."""
     c = ml_collections.ConfigDict()
     for field in all_fields():
         c[field.key] = field.default
@@ -573,12 +560,13 @@ def base_config() -> ml_collections.ConfigDict:
 
 
 def section(config: ml_collections.ConfigDict, name: str) -> dict:
-    """``{key: value}`` of the fields of one section of :data:`FIELDS` (``"data"``,
-    ``"model"``, ``"optimizer"``, ``"step"``, ``"schedule"``), so that the code owning a
-    section takes its values without a hand-kept list of keys."""
-    if name not in FIELDS:
-        raise ValueError(f"section {name!r}: expected one of {', '.join(FIELDS)}.")
-    return {field.key: config[field.key] for field in FIELDS[name]}
+    """``{key: value}`` of the fields of one section of :func:`fields` (``"data"``,
+    ``"model"``, ``"method"``, ``"optimizer"``, ...), so that the code owning a section
+    takes its values without a hand-kept list of keys."""
+    sections = fields()
+    if name not in sections:
+        raise ValueError(f"section {name!r}: expected one of {', '.join(sections)}.")
+    return {field.key: config[field.key] for field in sections[name]}
 
 
 def resnet50_config(dataset: str) -> ml_collections.ConfigDict:
@@ -635,7 +623,7 @@ def method_problems(config: ml_collections.ConfigDict) -> list[str]:
         return []  # named by the fields' own checks
     problems = [combination_problem(objective, algorithm, disam)]
     if config.get("perturbation") == "per_device" and (
-        objective != "erm" or algorithm in PROCEDURES or disam
+        objective != "erm" or algorithm in rule_names("procedure") or disam
     ):
         problems.append(
             f"config.perturbation=per_device with objective={objective}, "
@@ -643,7 +631,7 @@ def method_problems(config: ml_collections.ConfigDict) -> list[str]:
             "one shard of the batch, and the objectives, procedures and DISAM need each "
             "domain's whole minibatch; use --config.perturbation=global."
         )
-    if algorithm in PROCEDURES and config.get("freeze_batchnorm") is False:
+    if algorithm in rule_names("procedure") and config.get("freeze_batchnorm") is False:
         problems.append(
             f"config.algorithm={algorithm} with config.freeze_batchnorm=False: the procedures "
             "update the weights from per-domain passes and leave BatchNorm's statistics "
@@ -656,7 +644,7 @@ def method_problems(config: ml_collections.ConfigDict) -> list[str]:
 def field_problems(
     config: ml_collections.ConfigDict, device_count: int | None = None
 ) -> Iterator[tuple[str, str]]:
-    """``(key, problem)`` for each field of :data:`FIELDS` whose value fails its check."""
+    """``(key, problem)`` for each field of :func:`fields` whose value fails its check."""
     for field in all_fields():
         if field.key not in config:
             yield field.key, f"config.{field.key} is missing: expected a value (see --help)."

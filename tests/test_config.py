@@ -11,6 +11,7 @@ from ml_collections import ConfigDict
 from sagm_jax.config import (
     FIELDS,
     all_fields,
+    fields,
     base_config,
     config_problems,
     config_warnings,
@@ -347,11 +348,11 @@ def test_flat_keys_name_nested_fields_as_the_command_line_does():
 
 def test_section_gives_one_sections_values():
     config = load("pacs")
-    optimizer = section(config, "optimizer")
+    optimizer, method = section(config, "optimizer"), section(config, "method")
     assert list(optimizer) == [field.key for field in FIELDS["optimizer"]]
-    assert optimizer["lr"] == 3e-5 and optimizer["alpha"] == 1e-3 and "steps" not in optimizer
-    assert optimizer["gsam_alpha"] == 0.01  # GSAM's paper setting, not SAGM's alpha
-    every = {k: v for name in FIELDS for k, v in section(config, name).items()}
+    assert optimizer["lr"] == 3e-5 and method["alpha"] == 1e-3 and "steps" not in optimizer
+    assert method["gsam_alpha"] == 0.01  # GSAM's paper setting, not SAGM's alpha
+    every = {k: v for name in fields() for k, v in section(config, name).items()}
     assert every == config.to_dict()
     with pytest.raises(ValueError, match="section 'train': expected one of data, model"):
         section(config, "train")

@@ -1,20 +1,23 @@
-"""The one table of objectives and the one table of update rules.
+"""The two registries of methods: objectives and update rules.
 
 A run is ``objective x update rule (+ DISAM)``:
 
 * an OBJECTIVE (``config.objective``, :data:`OBJECTIVES`) is the loss one step minimises
-  from the per-domain minibatches (``sagm_jax.methods.objectives`` computes them);
+  from the per-domain minibatches (``sagm_jax.methods.objectives`` registers them);
 * an UPDATE RULE (``config.algorithm``, :data:`UPDATE_RULES`) turns that loss into an
-  update: plain Adam (``erm``), a sharpness-aware optax head before Adam
-  (``sam``, ``gsam``, ``sagm``, ``erm_sam``; ``sagm_jax.methods.update_rules``), or a procedure that
+  update: plain Adam (``erm``), a sharpness-aware optax head before Adam (``sam``,
+  ``gsam``, ``sagm``, ``erm_sam``; ``sagm_jax.methods.update_rules``), or a procedure that
   is its own update (``fish``, ``and_mask``, ``mldg``; ``sagm_jax.methods.procedures``);
 * DISAM (``config.disam_lambda`` > 0) replaces the ascent gradient of a head by the
   domain-variance one (``sagm_jax.methods.update_rules``; docs/methods.md, "DISAM").
 
-Each entry names its label (the tables' row), its own hyperparameters (config key,
-default, meaning, bounds, and DomainBed's random distribution where it has one), its
-source and the published numbers; the config fields, their checks, the sweep's
-choices, the collector's row names and the README's table are read from here.
+Each entry holds its builder (the loss, or the update rule's transforms or procedure),
+its label (the tables' row), its own hyperparameters (config key, default, meaning,
+bounds, DomainBed's random distribution where it has one), its source, the published
+numbers and what it composes with. Adding a method is one function and one
+:func:`register_objective` or :func:`register_update_rule` call (docs/methods.md,
+"Adding a method"): the config fields and their checks, the sweep's choices and random
+search, the tables' labels and the README's table read the registries.
 """
 
 from __future__ import annotations
@@ -46,6 +49,11 @@ def uniform(low: float, high: float) -> Distribution:
     return Distribution(f"U({low:g},{high:g})", lambda rng: float(rng.uniform(low, high)))
 
 
+def fixed(value) -> Distribution:
+    """Always ``value`` (a hyperparameter the search keeps at its default)."""
+    return Distribution(f"{value:g}", lambda rng: value)
+
+
 def choice(values: tuple) -> Distribution:
     text = "{" + ", ".join(f"{v:g}" for v in values) + "}"
     return Distribution(text, lambda rng: values[rng.choice(len(values))])
@@ -53,14 +61,16 @@ def choice(values: tuple) -> Distribution:
 
 class Hyperparameter(NamedTuple):
     """One hyperparameter of a method: its config key, default, meaning, bounds (an
-    interval as ``sagm_jax.config`` writes it: ``"> 0"``, ``">= 0"``, ``"[0, 1]"``, or
-    ``"int >= 1"``) and DomainBed's random distribution (None where it has none)."""
+    interval as ``sagm_jax.config`` writes it: ``"> 0"``, ``">= 0"``, ``"[0, 1]"``,
+    ``"int >= 1"``, or ``"one of mean, sum"``), DomainBed's random distribution (None
+    where it has none) and a note the config's error adds after the bounds."""
 
     key: str
     default: object
     meaning: str
     bounds: str
     distribution: Distribution | None = None
+    note: str = ""
 
 
 class Method(NamedTuple):
@@ -76,111 +86,136 @@ class Method(NamedTuple):
     published: tuple = ()
 
 
-class UpdateRule(NamedTuple):
+class Objective(NamedTuple):
+    """One objective: its description and the loss one step minimises.
+
+    ``loss(step) -> (loss, objectives.Aux)`` reads a ``sagm_jax.methods.objectives.Step``
+    (the batch, a ``forward`` to call once, the hyperparameters with their defaults
+    filled in, the state, the step counter and a PRNG key)."""
+
     method: Method
-    # "plain" (Adam), "head" (a sharpness-aware optax head before Adam) or "procedure"
-    # (its own update from per-domain gradients).
-    kind: str
+    loss: Callable
+    # ``init_state(num_domains) -> dict``, the state before step 0 (GroupDRO's q); None
+    # for an objective without state.
+    init_state: Callable[[int], dict] | None = None
+    # The hyperparameter whose value is the step before which a fresh optimizer replaces
+    # the old one (IRM's and VREx's anneal length); None for no restart.
+    restart_key: str | None = None
+    # A DomainBed algorithm whose row is its own name under ERM ("CORAL", not
+    # "ERM + CORAL"); Mixup and CutMix keep "ERM + ", as the paper's Table 2 prints them.
+    label_alone: bool = False
 
     @property
     def name(self) -> str:
         return self.method.name
 
 
-_MIXUP_ALPHA = Hyperparameter(
-    "mixup_alpha", 0.2, "Mixup's Beta(alpha, alpha) for the mixing weight", "> 0",
-    log_uniform(-1, 1),
-)
-_MMD_GAMMA = Hyperparameter(
-    "mmd_gamma", 1.0, "weight of the CORAL/MMD feature penalty", ">= 0", log_uniform(-1, 1)
-)
+KINDS = ("plain", "head", "procedure")
 
-OBJECTIVES: dict[str, Method] = {
-    m.name: m
-    for m in (
-        Method("erm", "ERM", (), "mean cross-entropy of the concatenated minibatches",
-               "DomainBed", (85.5, 77.5, 66.5, 46.1, 40.9, 63.3, "DomainBed")),
-        Method("mixup", "Mixup", (_MIXUP_ALPHA,),
-               "inter-domain Mixup: one Beta weight per cyclic pair of shuffled domains",
-               "DomainBed (Yan et al. 2020)", (84.6, 77.4, 68.1, 47.9, 39.2, 63.4, "DomainBed")),
-        Method("cutmix", "CutMix", (
-            Hyperparameter("cutmix_beta", 1.0, "CutMix's Beta(beta, beta) for the box area",
-                           ">= 0"),
-            Hyperparameter("cutmix_prob", 1.0, "probability that a step cuts and mixes",
-                           "[0, 1]"),
-        ), "one box pasted from a shuffled batch, labels mixed by the box's area",
-               "SAGM repository (Yun et al. 2019)"),
-        Method("coral", "CORAL", (_MMD_GAMMA,),
-               "ERM + gamma * mean over domain pairs of the feature mean/covariance gap",
-               "DomainBed (Sun & Saenko 2016)", (86.2, 78.8, 68.7, 47.6, 41.5, 64.6, "DomainBed")),
-        Method("mmd", "MMD", (_MMD_GAMMA,),
-               "ERM + gamma * mean over domain pairs of a multi-bandwidth Gaussian MMD",
-               "DomainBed (Li et al. 2018)", (84.6, 77.5, 66.3, 42.2, 23.4, 58.8, "DomainBed")),
-        Method("groupdro", "GroupDRO", (
-            Hyperparameter("groupdro_eta", 1e-2, "step size of the domain weights q", "> 0",
-                           log_uniform(-3, -1)),
-        ), "domain losses weighted by q, q <- q * exp(eta * loss) each step",
-               "DomainBed (Sagawa et al. 2020)", (84.4, 76.7, 66.0, 43.2, 33.3, 60.7, "DomainBed")),
-        Method("irm", "IRM", (
-            Hyperparameter("irm_lambda", 1e2, "weight of IRM's penalty after the anneal",
-                           ">= 0", log_uniform(-1, 5)),
-            Hyperparameter("irm_penalty_anneal_iters", 500,
-                           "steps with penalty weight 1; Adam restarts at this step",
-                           "int >= 0", log_uniform(0, 4, integer=True)),
-        ), "mean domain loss + lambda * IRMv1 penalty (split-batch estimate)",
-               "DomainBed (Arjovsky et al. 2019)", (83.5, 78.5, 64.3, 47.6, 33.9, 61.6, "DomainBed")),
-        Method("vrex", "VREx", (
-            Hyperparameter("vrex_lambda", 1e1, "weight of the variance penalty after the anneal",
-                           ">= 0", log_uniform(-1, 5)),
-            Hyperparameter("vrex_penalty_anneal_iters", 500,
-                           "steps with penalty weight 1; Adam restarts at this step",
-                           "int >= 0", log_uniform(0, 4, integer=True)),
-        ), "mean domain loss + lambda * variance of the domain losses",
-               "DomainBed (Krueger et al. 2021)", (84.9, 78.3, 66.4, 46.4, 33.6, 61.9, "DomainBed")),
-    )
-}
 
-UPDATE_RULES: dict[str, UpdateRule] = {
-    rule.name: rule
-    for rule in (
-        UpdateRule(Method("erm", "ERM", (), "Adam on the objective's gradient", "DomainBed",
-                          (85.5, 77.3, 66.5, 46.1, 43.8, 63.9, "SAGM paper")), "plain"),
-        UpdateRule(Method("sam", "SAM", (), "gradient at w + rho g/||g||", "Foret et al. 2021"),
-                   "head"),
-        UpdateRule(Method("gsam", "GSAM", (), "SAM minus alpha times the clean gradient's part "
-                          "orthogonal to it", "Zhuang et al. 2022"), "head"),
-        UpdateRule(Method("sagm", "SAGM", (), "mean of the gradients at w and at "
-                          "w + (rho/||g|| - alpha) g", "Wang et al. 2023",
-                          (86.6, 80.0, 70.1, 48.8, 45.0, 66.1, "SAGM paper")), "head"),
-        UpdateRule(Method("erm_sam", "ERM + SAM", (), "SAGM with alpha 0 (the paper's Table 3)",
-                          "Wang et al. 2023"), "head"),
-        UpdateRule(Method("fish", "Fish", (
-            Hyperparameter("fish_meta_lr", 0.5, "Fish's meta step toward the inner weights",
-                           "(0, 1]", choice((0.05, 0.1, 0.5))),
-        ), "inner Adam over the domains in turn (its state persists), then "
-           "w <- w + meta_lr (w' - w)", "DomainBed (Shi et al. 2022)",
-            (85.5, 77.8, 68.6, 45.1, 42.7, 63.9, "SAGM paper")), "procedure"),
-        UpdateRule(Method("and_mask", "AND-mask", (
-            Hyperparameter("and_mask_tau", 1.0, "AND-mask's agreement threshold", "[0, 1]",
-                           uniform(0.5, 1)),
-        ), "mean of the domain gradients where their signs agree, rescaled",
-            "DomainBed (Parascandolo et al. 2021)",
-            (84.4, 78.1, 65.6, 44.6, 37.2, 62.0, "SAGM paper")), "procedure"),
-        UpdateRule(Method("mldg", "MLDG", (
-            Hyperparameter("mldg_beta", 1.0, "weight of the meta-test gradient", ">= 0",
-                           log_uniform(-1, 1)),
-            Hyperparameter("mldg_n_meta_test", 2, "meta-test domains per step", "int >= 1",
-                           choice((1, 2))),
-        ), "first-order meta-learning: gradient at w plus the meta-test gradient after "
-           "one inner Adam step", "DomainBed (Li et al. 2018)",
-            (84.9, 77.2, 66.8, 47.7, 41.2, 63.6, "DomainBed")), "procedure"),
-    )
-}
+class UpdateRule(NamedTuple):
+    """One update rule: its description, kind and builder.
 
-# The update rules that perturb the weights, on which DISAM acts.
-HEADS = tuple(name for name, rule in UPDATE_RULES.items() if rule.kind == "head")
-PROCEDURES = tuple(name for name, rule in UPDATE_RULES.items() if rule.kind == "procedure")
+    * ``kind="plain"`` or ``"head"``: ``build(hp, *, adaptive, perturbation, axis_name,
+      disam_descent) -> list of optax transforms``, placed before the paper's Adam by
+      ``update_rules.rule_optimizer`` (a head is a sharpness-aware transform that takes
+      ``grad_fn``; ``plain`` uses the clean gradient only).
+    * ``kind="procedure"``: ``build(hp, *, learning_rate, weight_decay, num_domains) ->
+      procedures.Procedure``, its own update from per-domain gradients.
 
+    ``hp`` holds the rule's own hyperparameters (``method.hyperparameters``), defaults
+    filled in."""
+
+    method: Method
+    kind: str
+    build: Callable
+    # Takes DISAM's ascent gradient (``ascent_grads``): sam, gsam, sagm.
+    disam: bool = False
+    # MixStyle restyles the clean pass too (SAGM's released code runs its clean pass
+    # without MixStyle: False for sagm).
+    clean_pass_mixstyle: bool = True
+
+    @property
+    def name(self) -> str:
+        return self.method.name
+
+
+# The two registries, filled by the modules that own the code (``objectives``,
+# ``update_rules``, ``procedures``) when ``sagm_jax.methods`` is imported, in the order
+# the tables and the README list them.
+OBJECTIVES: dict[str, Objective] = {}
+UPDATE_RULES: dict[str, UpdateRule] = {}
+
+
+def register_objective(objective: Objective) -> Objective:
+    """Adds ``objective`` to :data:`OBJECTIVES`; the config (``--config.objective`` and
+    its hyperparameters' fields), the checks, the sweep and the tables read it from
+    there. Returns it."""
+    _check_new(objective.method, OBJECTIVES, "objective")
+    OBJECTIVES[objective.name] = objective
+    return objective
+
+
+def register_update_rule(rule: UpdateRule) -> UpdateRule:
+    """Adds ``rule`` (plain, head or procedure) to :data:`UPDATE_RULES`, as
+    :func:`register_objective` does for objectives. Returns it."""
+    if rule.kind not in KINDS:
+        raise ValueError(f"update rule {rule.name!r}: kind={rule.kind!r}, expected one of "
+                         f"{', '.join(KINDS)}.")
+    _check_new(rule.method, UPDATE_RULES, "update rule")
+    UPDATE_RULES[rule.name] = rule
+    return rule
+
+
+def _check_new(method: Method, table: dict, what: str) -> None:
+    """A new entry's name is a free lowercase identifier; a hyperparameter key that
+    another method declares is the same hyperparameter (same default and bounds)."""
+    if not (method.name.isidentifier() and method.name == method.name.lower()):
+        raise ValueError(f"{what} {method.name!r}: expected a lowercase Python identifier "
+                         "(it is a config value and a command-line word).")
+    if method.name in table:
+        raise ValueError(f"{what} {method.name!r} is registered already.")
+    declared = {h.key: h for h in hyperparameters()}
+    for hp in method.hyperparameters:
+        other = declared.get(hp.key)
+        if other is not None and (other.default, other.bounds) != (hp.default, hp.bounds):
+            raise ValueError(
+                f"{what} {method.name!r}: hyperparameter {hp.key!r} (default {hp.default!r}, "
+                f"bounds {hp.bounds!r}) differs from the one {', '.join(owners(hp.key))} "
+                f"declare (default {other.default!r}, bounds {other.bounds!r}); give it "
+                "another key."
+            )
+
+
+def objective(name: str) -> Objective:
+    """The entry of objective ``name``, or a ValueError that lists the registered ones."""
+    if name not in OBJECTIVES:
+        raise ValueError(f"unknown objective {name!r}; choose one of {', '.join(OBJECTIVES)}")
+    return OBJECTIVES[name]
+
+
+def update_rule(name: str) -> UpdateRule:
+    """The entry of update rule ``name``, or a ValueError that lists the registered ones."""
+    if name not in UPDATE_RULES:
+        raise ValueError(
+            f"unknown update rule {name!r}; choose one of {', '.join(UPDATE_RULES)}"
+        )
+    return UPDATE_RULES[name]
+
+
+def rule_names(kind: str) -> tuple[str, ...]:
+    """The registered update rules of ``kind`` ("plain", "head", "procedure")."""
+    return tuple(name for name, rule in UPDATE_RULES.items() if rule.kind == kind)
+
+
+def settings(method: Method, hp) -> dict:
+    """``{key: hp[key]}`` for each of ``method``'s hyperparameters, the registry's default
+    where ``hp`` lacks the key (other keys of ``hp`` are left out)."""
+    return {h.key: hp.get(h.key, h.default) for h in method.hyperparameters}
+
+
+# DISAM is not an entry: it modifies the ascent step of the heads that take it
+# (``UpdateRule.disam``).
 DISAM = Hyperparameter(
     "disam_lambda", 0.0,
     "DISAM: weight of the domain-loss variance in the ascent step (0 = off; sam, gsam, sagm)",
@@ -196,8 +231,7 @@ def hyperparameters() -> tuple[Hyperparameter, ...]:
     """Every method hyperparameter once (CORAL and MMD share ``mmd_gamma``), objectives
     first, then the update rules', then DISAM's: the config's "method" fields."""
     seen, result = set(), []
-    methods = [*OBJECTIVES.values(), *(rule.method for rule in UPDATE_RULES.values())]
-    for hp in [h for m in methods for h in m.hyperparameters] + [DISAM]:
+    for hp in [h for m in _methods() for h in m.hyperparameters] + [DISAM]:
         if hp.key not in seen:
             seen.add(hp.key)
             result.append(hp)
@@ -207,8 +241,11 @@ def hyperparameters() -> tuple[Hyperparameter, ...]:
 def owners(key: str) -> tuple[str, ...]:
     """The objectives and update rules that use hyperparameter ``key`` (empty for shared
     settings such as ``lr``)."""
-    methods = [*OBJECTIVES.values(), *(rule.method for rule in UPDATE_RULES.values())]
-    return tuple(m.name for m in methods if any(h.key == key for h in m.hyperparameters))
+    return tuple(m.name for m in _methods() if any(h.key == key for h in m.hyperparameters))
+
+
+def _methods() -> list[Method]:
+    return [*(o.method for o in OBJECTIVES.values()), *(r.method for r in UPDATE_RULES.values())]
 
 
 def combination_problem(objective: str, algorithm: str, disam_lambda: float) -> str | None:
@@ -219,17 +256,19 @@ def combination_problem(objective: str, algorithm: str, disam_lambda: float) -> 
     own per-domain losses (plain cross-entropy of each domain, as DomainBed's), so they
     take the ``erm`` objective only. DISAM changes the ascent step of a head; ``erm`` and
     the procedures have none."""
-    if algorithm in PROCEDURES and objective != "erm":
+    if UPDATE_RULES[algorithm].kind == "procedure" and objective != "erm":
         return (
             f"config.algorithm={algorithm} with config.objective={objective}: {algorithm} is "
             "its own update from each domain's cross-entropy (DomainBed's), so it takes "
             "objective erm only; use --config.objective=erm, or an update rule among "
-            f"{', '.join(n for n in UPDATE_RULES if n not in PROCEDURES)}."
+            f"{', '.join(rule_names('plain') + rule_names('head'))}."
         )
-    if disam_lambda and algorithm not in ("sam", "gsam", "sagm"):
+    if disam_lambda and not UPDATE_RULES[algorithm].disam:
+        *others, last = [n for n, rule in UPDATE_RULES.items() if rule.disam]
+        takers = f"{', '.join(others)} or {last}" if others else last
         return (
             f"config.disam_lambda={disam_lambda:g} with config.algorithm={algorithm}: DISAM "
-            "changes the ascent step of sam, gsam or sagm; set --config.disam_lambda=0 or "
+            f"changes the ascent step of {takers}; set --config.disam_lambda=0 or "
             "choose one of them."
         )
     return None
@@ -238,17 +277,11 @@ def combination_problem(objective: str, algorithm: str, disam_lambda: float) -> 
 def method_label(objective: str, algorithm: str, disam_lambda: float = 0.0) -> str:
     """The tables' name of a run's method: the update rule, ``+ <objective>`` unless it
     is ERM's, DISAM's prefix: "SAGM", "ERM + Mixup", "SAGM + CORAL", "DISAM on SAGM"."""
-    rule = UPDATE_RULES[algorithm].method.label
-    label = rule if objective == "erm" else f"{rule} + {OBJECTIVES[objective].label}"
-    if objective != "erm" and algorithm == "erm":
-        label = OBJECTIVES[objective].label if objective in _DOMAINBED_NAMES else label
+    rule, entry = UPDATE_RULES[algorithm].method.label, OBJECTIVES[objective]
+    label = rule if objective == "erm" else f"{rule} + {entry.method.label}"
+    if objective != "erm" and algorithm == "erm" and entry.label_alone:
+        label = entry.method.label
     return f"DISAM on {label}" if disam_lambda else label
-
-
-# DomainBed's algorithms whose row is the objective's own name (their ERM update is
-# implied): "CORAL", not "ERM + CORAL". Mixup and CutMix keep "ERM + ", as the paper's
-# Table 2 prints them.
-_DOMAINBED_NAMES = ("coral", "mmd", "groupdro", "irm", "vrex")
 
 
 def markdown_table() -> str:
@@ -264,7 +297,8 @@ def markdown_table() -> str:
 
     def row(method: Method, flag: str) -> str:
         own = "; ".join(
-            f"`{h.key}` {h.default:g}" + (f" ({h.distribution.text})" if h.distribution else "")
+            f"`{h.key}` {_text(h.default)}"
+            + (f" ({h.distribution.text})" if h.distribution else "")
             for h in method.hyperparameters
         )
         published = (
@@ -274,7 +308,7 @@ def markdown_table() -> str:
         )
         return f"| {method.label} | `{flag}` | {own or '-'} | {method.source} | {published} |"
 
-    rows += [row(m, f"objective={name}") for name, m in OBJECTIVES.items()]
+    rows += [row(o.method, f"objective={name}") for name, o in OBJECTIVES.items()]
     rows += [row(r.method, f"algorithm={name}") for name, r in UPDATE_RULES.items()]
     disam = Method("DISAM", "DISAM", (DISAM,), "", "Zhang et al. 2024 (on sam, gsam, sagm)")
     rows.append(row(disam, "disam_lambda"))
@@ -284,3 +318,7 @@ def markdown_table() -> str:
         for label, numbers in DISAM_PUBLISHED.items()
     ]
     return "\n".join(rows)
+
+
+def _text(value) -> str:
+    return f"{value:g}" if isinstance(value, (int, float)) else str(value)

@@ -53,13 +53,19 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from sagm_jax.methods.registry import (
+    Hyperparameter,
+    Method,
+    UpdateRule,
+    choice,
+    fixed,
+    register_update_rule,
+    settings,
+    update_rule,
+)
+
 GradFn = Callable[[optax.Params, int], optax.Updates]
 ScalarOrSchedule = Union[float, optax.Schedule]
-
-# The rules ``paper_optimizer`` builds (``erm_sam`` is SAGM with ``alpha = 0``, the
-# paper's Table 3 "ERM + SAM"). The config, the sweep and the tables read the method
-# registry (``sagm_jax.methods.UPDATE_RULES``), which also holds the procedures.
-ALGORITHMS = ("erm", "sam", "gsam", "sagm", "erm_sam")
 
 # The perturbation radius of every sharpness-aware rule: the paper's, for every dataset
 # (and SAM's and GSAM's usual one); the config's, the search's and the transforms' default.
@@ -396,6 +402,48 @@ def mean_over_devices(axis_name: str) -> optax.GradientTransformation:
     return optax.stateless(lambda updates, params=None: jax.lax.pmean(updates, axis_name))
 
 
+def rule_optimizer(
+    algorithm: str,
+    hp,
+    *,
+    learning_rate: ScalarOrSchedule,
+    weight_decay: float,
+    adaptive: bool = False,
+    perturbation: str = "global",
+    axis_name: Optional[str] = None,
+) -> optax.GradientTransformationExtraArgs:
+    """The registered plain or head rule ``algorithm``: its transforms (its entry's
+    ``build`` with its hyperparameters read from ``hp`` by key, the registry's defaults
+    for missing keys), then PyTorch's ``Adam(lr, weight_decay)``.
+
+    PyTorch's Adam decay is COUPLED L2 (not AdamW), added after the head at the
+    unperturbed ``w``, so it never enters ``g`` or the perturbation::
+
+        d' = d + weight_decay * w
+        m, v = Adam moments of d' (b1 0.9, b2 0.999);  step = -lr * m_hat / (sqrt(v_hat) + 1e-8)
+
+    The chain always accepts ``grad_fn`` and ``ascent_grads`` (DISAM's ``g_DI``); ERM
+    uses neither, so one train step serves every rule. ``adaptive``, ``perturbation``
+    and ``axis_name`` go to every head (see :func:`sagm`).
+    """
+    rule = update_rule(algorithm)
+    if rule.kind == "procedure":
+        raise ValueError(
+            f"algorithm={algorithm!r} is a procedure (sagm_jax.methods.procedures."
+            "make_procedure builds it); expected a plain or sharpness-aware rule."
+        )
+    head = rule.build(
+        settings(rule.method, hp), adaptive=adaptive, perturbation=perturbation,
+        axis_name=axis_name,
+    )
+    return optax.chain(
+        *head,
+        optax.add_decayed_weights(weight_decay),
+        optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8),
+        optax.scale_by_learning_rate(learning_rate),
+    )
+
+
 def paper_optimizer(
     algorithm: str,
     *,
@@ -409,50 +457,111 @@ def paper_optimizer(
     perturbation: str = "global",
     axis_name: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
-    """The paper's whole optimizer: the algorithm's head, then PyTorch's ``Adam(lr, weight_decay)``.
-
-    PyTorch's Adam decay is COUPLED L2 (not AdamW), added after the head at the
-    unperturbed ``w``, so it never enters ``g`` or the perturbation::
-
-        d' = d + weight_decay * w
-        m, v = Adam moments of d' (b1 0.9, b2 0.999);  step = -lr * m_hat / (sqrt(v_hat) + 1e-8)
+    """The paper's whole optimizer: the algorithm's head, then PyTorch's ``Adam(lr,
+    weight_decay)`` (:func:`rule_optimizer`, with the hyperparameters as arguments).
 
     Args:
       algorithm: ``erm | sam | gsam | sagm | erm_sam`` (``erm_sam`` is SAGM with
-        ``alpha = 0``, Table 3's "ERM + SAM").
+        ``alpha = 0``, Table 3's "ERM + SAM"), or a registered plain or head rule.
       learning_rate: a float or an optax schedule (constant in the paper).
       weight_decay: coupled L2 coefficient.
       rho: perturbation radius (ignored by ERM).
-      alpha: SAGM's or GSAM's alpha (two different quantities); defaults
-        :data:`SAGM_ALPHA` and :data:`GSAM_ALPHA`.
+      alpha: SAGM's or GSAM's alpha (two different quantities: config keys ``alpha``
+        and ``gsam_alpha``); defaults :data:`SAGM_ALPHA` and :data:`GSAM_ALPHA`.
       combine, adaptive, perturbation, axis_name: see :func:`sagm`.
       disam_descent: SAGM's (and ``erm_sam``'s) descent under DISAM, see
         :func:`sagm`; SAM and GSAM have one descent (``g_p``, and GSAM's ``g``
         decomposition stays clean), so for them, and for ERM, it changes nothing.
-
-    The returned chain always accepts ``grad_fn`` and ``ascent_grads`` (DISAM's
-    ``g_DI``); ERM uses neither, so one train step serves every algorithm.
     """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm={algorithm!r}: expected one of {', '.join(ALGORITHMS)}.")
-    common = dict(adaptive=adaptive, perturbation=perturbation, axis_name=axis_name)
-    if algorithm == "erm":
-        # Per device, ERM's gradient is the shard's: average it as the heads average
-        # their direction, so every device applies the same update.
-        head = [mean_over_devices(axis_name)] if perturbation == "per_device" else []
-    elif algorithm == "sam":
-        head = [sam(rho, **common)]
-    elif algorithm == "gsam":
-        head = [gsam(rho, GSAM_ALPHA if alpha is None else alpha, **common)]
-    elif algorithm == "sagm":
-        sagm_alpha = SAGM_ALPHA if alpha is None else alpha
-        head = [sagm(rho, sagm_alpha, combine=combine, disam_descent=disam_descent, **common)]
-    else:
-        head = [sagm(rho, 0.0, combine=combine, disam_descent=disam_descent, **common)]
-    return optax.chain(
-        *head,
-        optax.add_decayed_weights(weight_decay),
-        optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8),
-        optax.scale_by_learning_rate(learning_rate),
+    hp = {"rho": rho, "combine": combine, "disam_descent": disam_descent}
+    if alpha is not None:
+        hp["alpha"] = hp["gsam_alpha"] = alpha
+    return rule_optimizer(
+        algorithm, hp, learning_rate=learning_rate, weight_decay=weight_decay,
+        adaptive=adaptive, perturbation=perturbation, axis_name=axis_name,
     )
 
+
+# --- the registry's entries --------------------------------------------------------
+
+RHO_HYPERPARAMETER = Hyperparameter(
+    "rho", RHO, "radius of the perturbation (SAM, GSAM, SAGM)", ">= 0", fixed(RHO)
+)
+# e = (rho/||g|| - alpha) g: alpha is the step size of SAGM's descent term. Below 0 that
+# term ascends too and e outgrows the rho-ball with ||g||; at 1 or more it is a whole
+# gradient step or more, larger than any learning rate here (the paper: 5e-4, 1e-3; its
+# code's search: up to 0.1). The search draws the paper's two values.
+_SAGM_ALPHA = Hyperparameter(
+    "alpha", SAGM_ALPHA, "SAGM's alpha, in its ascent step e = (rho/||g|| - alpha) g",
+    "[0, 1)", choice((1e-3, 5e-4)),
+    note=" (SAGM's descent step size in e = (rho/||g|| - alpha) g; the paper uses 5e-4 or "
+    "1e-3; a negative alpha lengthens the ascent step beyond the rho-ball)",
+)
+# d = g_p - alpha g_perp: below 0 GSAM descends the surrogate gap's ascent direction (the
+# opposite of GSAM); above 1 the orthogonal step outweighs SAM's.
+_GSAM_ALPHA = Hyperparameter(
+    "gsam_alpha", GSAM_ALPHA,
+    "GSAM's alpha (its paper's setting for ResNets), in d = g_p - alpha g_perp", "[0, 1]",
+    fixed(GSAM_ALPHA),
+    note=" (GSAM's weight of the orthogonal ascent in d = g_p - alpha g_perp; 0 is SAM, its "
+    f"paper's setting for ResNets is {GSAM_ALPHA:g})",
+)
+_COMBINE = Hyperparameter(
+    "combine", "mean", 'SAGM: "mean" (the released code) or "sum" (the paper\'s text)',
+    "one of mean, sum",
+)
+_DISAM_DESCENT = Hyperparameter(
+    "disam_descent", "clean",
+    'DISAM on SAGM: "clean" (d = (g + g_p)/2) or "variance" (g_DI in place of g)',
+    "one of clean, variance",
+)
+
+
+def _erm_head(hp, *, perturbation, axis_name, adaptive):
+    """No head. Per device, ERM's gradient is the shard's: average it as the heads
+    average their direction, so every device applies the same update."""
+    del hp, adaptive
+    return [mean_over_devices(axis_name)] if perturbation == "per_device" else []
+
+
+def _sagm_head(alpha_zero: bool):
+    def build(hp, **common):
+        alpha = 0.0 if alpha_zero else hp["alpha"]
+        return [sagm(hp["rho"], alpha, combine=hp["combine"],
+                     disam_descent=hp["disam_descent"], **common)]
+
+    return build
+
+
+register_update_rule(UpdateRule(
+    Method("erm", "ERM", (), "Adam on the objective's gradient", "DomainBed",
+           (85.5, 77.3, 66.5, 46.1, 43.8, 63.9, "SAGM paper")),
+    "plain", _erm_head,
+))
+register_update_rule(UpdateRule(
+    Method("sam", "SAM", (RHO_HYPERPARAMETER,), "gradient at w + rho g/||g||",
+           "Foret et al. 2021"),
+    "head", lambda hp, **common: [sam(hp["rho"], **common)], disam=True,
+))
+register_update_rule(UpdateRule(
+    Method("gsam", "GSAM", (RHO_HYPERPARAMETER, _GSAM_ALPHA),
+           "SAM minus alpha times the clean gradient's part orthogonal to it",
+           "Zhuang et al. 2022"),
+    "head", lambda hp, **common: [gsam(hp["rho"], hp["gsam_alpha"], **common)], disam=True,
+))
+register_update_rule(UpdateRule(
+    Method("sagm", "SAGM", (RHO_HYPERPARAMETER, _SAGM_ALPHA, _COMBINE, _DISAM_DESCENT),
+           "mean of the gradients at w and at w + (rho/||g|| - alpha) g", "Wang et al. 2023",
+           (86.6, 80.0, 70.1, 48.8, 45.0, 66.1, "SAGM paper")),
+    # SAGM's released code runs its clean pass without MixStyle.
+    "head", _sagm_head(alpha_zero=False), disam=True, clean_pass_mixstyle=False,
+))
+register_update_rule(UpdateRule(
+    Method("erm_sam", "ERM + SAM", (RHO_HYPERPARAMETER, _COMBINE, _DISAM_DESCENT),
+           "SAGM with alpha 0 (the paper's Table 3)", "Wang et al. 2023"),
+    "head", _sagm_head(alpha_zero=True),
+))
+
+# The rules this module registers, which :func:`paper_optimizer` builds (``erm_sam`` is
+# SAGM with ``alpha = 0``, the paper's Table 3 "ERM + SAM").
+ALGORITHMS = ("erm", "sam", "gsam", "sagm", "erm_sam")

@@ -57,7 +57,7 @@ def _row_order() -> tuple[str, ...]:
     others = [o for o in methods.OBJECTIVES if o not in ("erm", *TABLE_2_OBJECTIVES)]
     rows = [label("erm", "erm"), *(label(o, "erm") for o in TABLE_2_OBJECTIVES)]
     rows.append(label("erm", "erm") + MIXSTYLE)
-    rows += [label("erm", p) for p in methods.PROCEDURES]
+    rows += [label("erm", p) for p in methods.rule_names("procedure")]
     rows += [label(o, "erm") for o in others]
     rows += [name for h in HEAD_ORDER for name in (label("erm", h), label("erm", h) + MIXSTYLE)]
     for disam in (0.0, 1.0):
@@ -74,7 +74,7 @@ ROW_ORDER = _row_order()
 # The rows of the paper's Table 2, shown with "-" when the sweep has no runs of them.
 TABLE_2_ROWS = (
     *ROW_ORDER[: ROW_ORDER.index(ERM + MIXSTYLE) + 1],
-    *(methods.method_label("erm", p) for p in methods.PROCEDURES),
+    *(methods.method_label("erm", p) for p in methods.rule_names("procedure")),
     *(methods.method_label("erm", h) for h in ("sam", "gsam", "sagm")),
     methods.method_label("erm", "sagm") + MIXSTYLE,
 )

@@ -33,13 +33,12 @@ weight_decay       0; 10^U(-6, -2)                  0; fixed 0
 resnet_dropout     0; choice {0, 0.1, 0.5}          not drawn (no ResNet)
 =================  ===============================  =============================
 
-Each objective's and update rule's own hyperparameters are drawn from its
-``Distribution`` in :mod:`sagm_jax.methods` (DomainBed's), under DomainBed's name
-(:data:`DOMAINBED_NAMES`). DomainBed has no sharpness-aware method; OUR draws
-(:data:`HEAD_HPARAMS`) are: ``rho`` fixed 0.05 for every head (SAGM's DomainBed runs
-fix it), SAGM's ``alpha`` from the paper's search {1e-3, 5e-4} (default
-``optimizers.SAGM_ALPHA``), GSAM's ``gsam_alpha`` fixed at its default; DISAM's
-``disam_lambda`` (when DISAM is on) from 10^U(-2, 0) around its code's default 0.1, the
+Each objective's and update rule's own hyperparameters are drawn from the
+``Distribution`` of its registry entry in :mod:`sagm_jax.methods` (DomainBed's), under
+DomainBed's name (:data:`DOMAINBED_NAMES`). DomainBed has no sharpness-aware method; OUR
+draws (the heads' entries in ``sagm_jax.methods.update_rules``) are: ``rho`` fixed 0.05
+for every head (SAGM's DomainBed runs fix it), SAGM's ``alpha`` from the paper's search
+{1e-3, 5e-4}, GSAM's ``gsam_alpha`` fixed at its default; DISAM's ``disam_lambda`` (when DISAM is on) from 10^U(-2, 0) around its code's default 0.1, the
 default being the lambda the caller gives. Keys without a distribution (CutMix's) are
 not returned: the config's values stay.
 """
@@ -52,8 +51,7 @@ import numpy as np
 
 from sagm_jax import methods
 from sagm_jax.data import registry
-from sagm_jax.methods.registry import Distribution, Hyperparameter, choice, log_uniform
-from sagm_jax.methods.update_rules import GSAM_ALPHA, RHO, SAGM_ALPHA
+from sagm_jax.methods.registry import Distribution, Hyperparameter, choice, fixed, log_uniform
 
 # Our config key -> DomainBed's hyperparameter name, where they differ; the name seeds
 # the draw, so it must be DomainBed's.
@@ -65,15 +63,6 @@ DOMAINBED_NAMES = {
     "mldg_n_meta_test": "n_meta_test",
 }
 
-# The sharpness-aware heads' hyperparameters: ours, DomainBed has none.
-_RHO = Hyperparameter("rho", RHO, "", "", Distribution(f"{RHO:g}", lambda rng: RHO))
-HEAD_HPARAMS = {
-    "sam": (_RHO,),
-    "gsam": (_RHO, Hyperparameter("gsam_alpha", GSAM_ALPHA, "", "",
-                                  Distribution(f"{GSAM_ALPHA:g}", lambda rng: GSAM_ALPHA))),
-    "sagm": (_RHO, Hyperparameter("alpha", SAGM_ALPHA, "", "", choice((1e-3, 5e-4)))),
-    "erm_sam": (_RHO,),  # SAGM with alpha 0: alpha is not a hyperparameter of it
-}
 DISAM_DRAW = log_uniform(-2, 0)
 
 
@@ -93,10 +82,6 @@ def _base2_int(low: float, high: float) -> Distribution:
     return Distribution(f"int(2^U({low:g},{high:g}))", lambda rng: int(2 ** rng.uniform(low, high)))
 
 
-def _fixed(value) -> Distribution:
-    return Distribution(f"{value:g}", lambda rng: value)
-
-
 def shared_hparams(dataset: str) -> tuple[Hyperparameter, ...]:
     """lr, batch_per_env, weight_decay and dropout of ``dataset`` with DomainBed's
     defaults and distributions (the module's table)."""
@@ -104,7 +89,7 @@ def shared_hparams(dataset: str) -> tuple[Hyperparameter, ...]:
         return (
             Hyperparameter("lr", 1e-3, "", "", log_uniform(-4.5, -2.5)),
             Hyperparameter("batch_per_env", 64, "", "", _base2_int(3, 9)),
-            Hyperparameter("weight_decay", 0.0, "", "", _fixed(0.0)),
+            Hyperparameter("weight_decay", 0.0, "", "", fixed(0.0)),
         )
     high = 5 if dataset == "DomainNet" else 5.5
     return (
@@ -119,13 +104,12 @@ def searched_hparams(
     algorithm: str, dataset: str, objective: str = "erm", disam_lambda: float = 0.0
 ) -> tuple[Hyperparameter, ...]:
     """Every hyperparameter the search draws for the method and dataset, each with its
-    default and distribution: the shared ones, the objective's, the update rule's (or
-    the head's, :data:`HEAD_HPARAMS`), and DISAM's when ``disam_lambda`` > 0 (its
+    default and distribution: the shared ones, the objective's, the update rule's, and
+    DISAM's when ``disam_lambda`` > 0 (its
     default then)."""
     own = [
-        *methods.OBJECTIVES[objective].hyperparameters,
+        *methods.OBJECTIVES[objective].method.hyperparameters,
         *methods.UPDATE_RULES[algorithm].method.hyperparameters,
-        *HEAD_HPARAMS.get(algorithm, ()),
     ]
     if disam_lambda > 0:
         own.append(methods.DISAM._replace(default=float(disam_lambda), distribution=DISAM_DRAW))

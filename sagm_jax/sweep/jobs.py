@@ -63,17 +63,6 @@ SWAD_GRID = {
 SWAD_TRIAL_SEEDS = [0]
 # DomainBed's sweep draws 20 settings per method, dataset and trial.
 DEFAULT_N_HPARAMS = 20
-# Hyperparameters an objective or update rule ignores are not swept for it (no duplicate
-# runs); a key not listed here (lr, dropout, ...) is every method's. The sharpness-aware
-# heads' settings: ``alpha`` is SAGM's alone (erm_sam is SAGM with alpha 0); GSAM has
-# ``gsam_alpha``. Each method hyperparameter is its owners' in sagm_jax.methods.
-USED_BY = {
-    "alpha": ("sagm",),
-    "gsam_alpha": ("gsam",),
-    "rho": methods.HEADS,
-    "combine": ("sagm", "erm_sam"),
-    **{h.key: methods.owners(h.key) for h in methods.hyperparameters() if methods.owners(h.key)},
-}
 # What every job's arguments hold besides its grid point and --set keys; a random
 # search's jobs add HPARAMS_SEED, the index of their setting.
 SWEEP_KEYS = ("config", "algorithm", "test_envs", "trial_seed", "seed")
@@ -147,9 +136,11 @@ def parse_assignments(items: list[str], flag: str) -> dict[str, list]:
 
 def grid_points(grid: dict[str, list], algorithm: str, objective: str = "erm") -> list[dict]:
     """Every combination of the grid's values, without the keys that neither the
-    objective nor the update rule uses (``USED_BY``)."""
+    objective nor the update rule uses (a method hyperparameter is its owners' in
+    ``sagm_jax.methods``: ``alpha`` is SAGM's alone, erm_sam being SAGM with alpha 0; a key
+    no method owns, such as lr or dropout, is every method's)."""
     keys = sorted(
-        k for k in grid if k not in USED_BY or {algorithm, objective} & set(USED_BY[k])
+        k for k in grid if not (owners := methods.owners(k)) or {algorithm, objective} & set(owners)
     )
     return [dict(zip(keys, values)) for values in itertools.product(*(grid[k] for k in keys))]
 

@@ -58,8 +58,8 @@ from sagm_jax.data import device_augment, registry
 from sagm_jax.data.pipeline import prefetch_to_mesh
 from sagm_jax.data.splits import check_split_record
 from sagm_jax.training.evaluation import Evaluator
-from sagm_jax.methods.registry import PROCEDURES
-from sagm_jax.methods.update_rules import paper_optimizer
+from sagm_jax.methods.registry import update_rule
+from sagm_jax.methods.update_rules import rule_optimizer
 from sagm_jax.methods.procedures import make_procedure
 from sagm_jax.training.rundir import (
     CHECKPOINTS,
@@ -138,32 +138,28 @@ def _mesh(config, train_envs) -> jax.sharding.Mesh:
 def optimizer_from_config(
     config: ml_collections.ConfigDict, axis_name: str | None = None, num_domains: int = 1
 ):
-    """The one place that turns a config into the update rule: for the plain and
-    sharpness-aware rules, :func:`sagm_jax.methods.update_rules.paper_optimizer` with the config's
-    ``optimizer`` section; for the procedures (Fish, AND-mask, MLDG),
-    :func:`sagm_jax.methods.procedures.make_procedure` over ``num_domains`` training domains.
+    """The one place that turns a config into the update rule ``config.algorithm``, a
+    lookup in ``sagm_jax.methods.UPDATE_RULES``: a plain or sharpness-aware rule through
+    :func:`sagm_jax.methods.update_rules.rule_optimizer` (its head, then Adam with the
+    "optimizer" section), a procedure (Fish, AND-mask, MLDG) through
+    :func:`sagm_jax.methods.procedures.make_procedure` over ``num_domains`` training
+    domains; each reads its own hyperparameters from the "method" section.
 
-    ``config.alpha`` is SAGM's alpha and ``config.gsam_alpha`` GSAM's; each goes to
-    its own algorithm. ``axis_name`` (the device axis of a ``shard_map``) is used by
+    ``axis_name`` (the device axis of a ``shard_map``) is used by
     ``perturbation="per_device"`` only; the global mode needs none under ``jit``.
     """
-    kwargs = section(config, "optimizer")
-    algorithm = kwargs.pop("algorithm")
-    if algorithm in PROCEDURES:
+    hp, adam = section(config, "method"), section(config, "optimizer")
+    if update_rule(config.algorithm).kind == "procedure":
         return make_procedure(
-            algorithm,
-            section(config, "method"),
-            learning_rate=config.lr,
-            weight_decay=config.weight_decay,
-            num_domains=num_domains,
+            config.algorithm, hp, learning_rate=adam["lr"],
+            weight_decay=adam["weight_decay"], num_domains=num_domains,
         )
-    kwargs["learning_rate"] = kwargs.pop("lr")
-    gsam_alpha = kwargs.pop("gsam_alpha")
-    if algorithm == "gsam":
-        kwargs["alpha"] = gsam_alpha
-    if kwargs["perturbation"] == "per_device":
-        kwargs["axis_name"] = axis_name
-    return paper_optimizer(algorithm, **kwargs)
+    per_device = adam["perturbation"] == "per_device"
+    return rule_optimizer(
+        config.algorithm, hp, learning_rate=adam["lr"], weight_decay=adam["weight_decay"],
+        adaptive=adam["adaptive"], perturbation=adam["perturbation"],
+        axis_name=axis_name if per_device else None,
+    )
 
 
 def setup(config: ml_collections.ConfigDict) -> Program:

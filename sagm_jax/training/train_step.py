@@ -59,7 +59,7 @@ from sagm_jax.methods import objectives
 from sagm_jax.methods.objectives import per_example_cross_entropy
 from sagm_jax.config import section
 from sagm_jax.data import device_augment
-from sagm_jax.methods.registry import PROCEDURES
+from sagm_jax.methods.registry import update_rule
 from sagm_jax.methods.update_rules import domain_loss_variance
 
 
@@ -168,8 +168,9 @@ def make_train_step(
     ``algorithm`` (Fish, AND-mask, MLDG), which updates from per-domain gradients.
     ``metrics`` holds the reported ``loss`` and the objective's other values.
     """
-    is_procedure = algorithm in PROCEDURES
-    clean_mixstyle = use_mixstyle and algorithm != "sagm"
+    rule = update_rule(algorithm)
+    is_procedure = rule.kind == "procedure"
+    clean_mixstyle = use_mixstyle and rule.clean_pass_mixstyle
     reset_step = objectives.reset_optimizer_step(method.objective, method.hyperparameters)
 
     def train_step(state: TrainState, batch, key):

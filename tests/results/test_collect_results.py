@@ -334,7 +334,7 @@ def test_the_tables_name_exactly_the_registered_methods_and_datasets():
     from sagm_jax import methods
     from sagm_jax.data import registry
 
-    assert sorted(collect_results.HEAD_ORDER) == sorted(methods.HEADS)
+    assert sorted(collect_results.HEAD_ORDER) == sorted(methods.rule_names("head"))
     assert set(collect_results.ABLATION_ALGORITHMS) <= set(methods.UPDATE_RULES)
     assert set(collect_results.TABLE_2_OBJECTIVES) <= set(methods.OBJECTIVES)
     assert collect_results.PAPER_DATASETS is registry.PAPER_DATASETS

@@ -478,9 +478,9 @@ def test_sweep_takes_its_names_from_the_registries():
     from sagm_jax import methods
     from sagm_jax.data import registry
 
-    for hp in methods.hyperparameters():  # each method hyperparameter is its owners'
-        assert sweep_jobs.USED_BY.get(hp.key, ()) == methods.owners(hp.key)
-    assert sweep_jobs.USED_BY["rho"] == methods.HEADS
+    assert methods.owners("rho") == methods.rule_names("head")  # swept for the heads only
+    assert sweep_jobs.grid_points({"rho": [0.05, 0.1], "lr": [1e-3]}, "erm") == [{"lr": 1e-3}]
+    assert len(sweep_jobs.grid_points({"rho": [0.05, 0.1], "lr": [1e-3]}, "sam")) == 2
     assert sweep_jobs.CONFIG_FILES == {
         name: path for name, path in registry.CONFIG_FILES.items() if name != "ImageFolder"
     }
