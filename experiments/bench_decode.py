@@ -7,7 +7,7 @@ pencil sketches, 256x256 doodles), builds the compressed store
 (``sagm_jax.data.jpeg_store``) from it, and prints:
 
 * decode images/s PER CORE (images per CPU-second of this process, one thread) of the
-  training input (the stored canvas image, ``store.stored_shape``) and of the
+  training input (the stored canvas image, ``decode.stored_shape``) and of the
   evaluation input (S x S), for each decoder, (a) from the original files and (b) from
   the compressed store's records; and the store's own ``gather`` / ``eval_images`` in
   batches with 1 and all threads (the wall-clock speed-up shows whether the decoder
@@ -57,7 +57,7 @@ import numpy as np
 import simplejpeg
 from PIL import Image, ImageDraw, features
 
-from sagm_jax.data import canvas, image_folder, jpeg_store, store
+from sagm_jax.data import canvas, decode, image_folder, jpeg_store, store
 
 IMAGE_SIZE, SHORT_SIDE = 224, 320
 # One H100 (experiments/device_report.py's figures): a bf16 SAGM step consumes about 2,700
@@ -335,7 +335,7 @@ def main():
     args = parser.parse_args()
     work = args.folder or tempfile.mkdtemp(prefix="bench_decode-")
     root, cache = os.path.join(work, "DomainNetLike"), os.path.join(work, "cache")
-    cores = store._cpu_count()
+    cores = decode.cpu_count()
     need_train, need_eval = TRAIN_IMAGES_PER_S / CORES, EVAL_IMAGES_PER_S / CORES
     cpu = platform.processor()
     if os.path.exists("/proc/cpuinfo"):
@@ -367,7 +367,7 @@ def main():
 
     index = image_folder.scan_image_folder(root, missing_help="", cache_dir=None)
     paths = [p for env in index.paths for p in env]
-    sizes = store.read_sizes(paths, progress=False)
+    sizes = decode.read_sizes(paths, progress=False)
     start = time.perf_counter()
     compressed = canvas.open_source(
         index,
@@ -428,7 +428,7 @@ def main():
     square = (IMAGE_SIZE, IMAGE_SIZE)
     want_train, want_eval = [], []
     for i, shape in zip(ids, shapes):
-        small, evaluation = store.decode_file(paths[i], sizes[i], shape, IMAGE_SIZE)
+        small, evaluation = decode.decode_file(paths[i], sizes[i], shape, IMAGE_SIZE)
         want_train.append(small)
         want_eval.append(evaluation)
     train_records = [bytes(compressed._train.record(i)) for i in ids]

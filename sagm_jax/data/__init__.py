@@ -47,7 +47,8 @@ from sagm_jax.data.splits import (
     write_split_record,
 )
 from sagm_jax.data.canvas import CanvasSource, open_source
-from sagm_jax.data.store import ImageStore, StreamingSource
+from sagm_jax.data.store import ImageStore
+from sagm_jax.data.streaming import StreamingSource
 
 __all__ = [
     "DATASETS",

@@ -10,7 +10,7 @@ What is stored, per image (flat id order, as ``FolderIndex.paths``):
 
 * the training image: the original decoded with torchvision's loader
   (``Image.open(p).convert("RGB")``) and shrunk exactly as the decoded store does
-  (``store.stored_shape``, ``store.decode_file``), then re-encoded as JPEG at
+  (``decode.stored_shape``, ``decode.decode_file``), then re-encoded as JPEG at
   ``QUALITY`` 95 without chroma subsampling (4:4:4). Where the original file is a JPEG
   already within the bounded size AND its bytes decode (with this module's decoder) to
   exactly PIL's decode of it, checked at build time, the original bytes are kept as they
@@ -58,13 +58,13 @@ Layout of a store, ``<cache root>/stores/<key>/``: two streams of JPEG records,
 concatenated) and ``<stream>_shards.npy`` (int64 [K+1]: shard k holds records
 ``first[k]:first[k+1]``); ``shapes.npy`` (int32 [N, 2] stored (h, w)), ``kept.npy``
 (bool [N], original bytes kept) and ``manifest.json`` (written last; format
-``FORMAT``, each data file's byte size and CRC-32). ``key`` is ``store.store_key`` with
+``FORMAT``, each data file's byte size and CRC-32). ``key`` is ``build.store_key`` with
 this store's own kind string (``KIND``), so it never collides with a decoded store.
 
-Build and open reuse ``store.py``'s machinery: the atomic build in a temporary folder
-renamed into place (two concurrent builds: the first rename wins, the other uses it),
-spawned worker processes that die with their parent, orphaned build folders removed,
-the manifest's sizes and CRC-32 checked at every open (a stale or corrupt store is
+Build and open use ``build.py``'s machinery, as the decoded store does: the atomic build
+in a temporary folder renamed into place (two concurrent builds: the first rename wins, the
+other uses it), spawned worker processes that die with their parent, orphaned build folders
+removed, the manifest's sizes and CRC-32 checked at every open (a stale or corrupt store is
 logged and rebuilt, never used). Workers decode and encode chunks of files; the
 building process appends their records to the shards in id order. Every batch is a
 function of the ids only (exact resume).
@@ -73,23 +73,42 @@ function of the ids only (exact resume).
 from __future__ import annotations
 
 import concurrent.futures
-import math
+import logging
 import os
 import shutil
-import tempfile
 import time
 
 import numpy as np
 import simplejpeg
 
-from sagm_jax.data import store
+from sagm_jax.data.build import (
+    MANIFEST,
+    StoreError,
+    check_data_files,
+    job_plan,
+    locate,
+    new_build_folder,
+    open_existing_store,
+    read_manifest,
+    rename_into_place,
+    run_decode_jobs,
+    write_manifest,
+)
+from sagm_jax.data.decode import (
+    check_ids,
+    cpu_count,
+    decode_file,
+    place,
+    read_sizes,
+    stored_shapes,
+)
 from sagm_jax.data.image_folder import BadImageError
-from sagm_jax.data.store import StoreError
+from sagm_jax.data.store import estimate_store_bytes
 
-log = store.log
+log = logging.getLogger(__name__)
 
 FORMAT = "jpeg store v1"
-KIND = "compressed image store v1"  # store_key's kind: never a decoded store's key
+KIND = "compressed image store v1"  # build.store_key's kind: never a decoded store's key
 QUALITY = 95
 SUBSAMPLING = "444"
 SHARD_BYTES = 1 << 30
@@ -105,7 +124,7 @@ BYTES_PER_PIXEL = 0.5
 def estimate_bytes(sizes: np.ndarray, image_size: int, short_side: int) -> int:
     """Estimated bytes of a compressed store for images of original ``sizes`` ([N, 2] (h, w)):
     ``BYTES_PER_PIXEL`` times the stored pixels plus the evaluation pixels."""
-    pixels = store.estimate_store_bytes(sizes, image_size, short_side) / 3
+    pixels = estimate_store_bytes(sizes, image_size, short_side) / 3
     return int(pixels * BYTES_PER_PIXEL)
 
 
@@ -143,7 +162,7 @@ def _encode_chunk(job) -> tuple[int, list[bytes], list[bytes], list[bool]]:
     image_size, paths, sizes, shapes = job
     train, evals, kept = [], [], []
     for path, size, stored in zip(paths, sizes, shapes):
-        small, evaluation = store.decode_file(path, size, stored, image_size)
+        small, evaluation = decode_file(path, size, stored, image_size)
         original = _keepable(path, small, size, stored)
         train.append(original if original is not None else encode(small))
         evals.append(encode(evaluation))
@@ -244,7 +263,7 @@ class CompressedStore:
         self.canvas = tuple(int(x) for x in shapes.max(axis=0)) if len(shapes) else (0, 0)
         self.image_size = int(manifest["image_size"])
         self._train, self._eval = streams
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads or store._cpu_count())
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads or cpu_count())
 
     def __len__(self) -> int:
         return len(self.shapes)
@@ -267,13 +286,13 @@ class CompressedStore:
         threads: int | None = None,
     ) -> CompressedStore:
         """Open and check the store at ``path``; ``StoreError`` says why it is unusable."""
-        manifest = store._read_manifest(path, key=key, num_images=num_images, format=FORMAT)
+        manifest = read_manifest(path, key=key, num_images=num_images, format=FORMAT)
         try:
             files = dict(manifest["files"])
             n, s = int(manifest["num_images"]), int(manifest["image_size"])
         except (KeyError, TypeError, ValueError) as e:
-            raise StoreError(f"{store.MANIFEST} lacks a field ({type(e).__name__}: {e})")
-        store._check_data_files(path, files, check_data=check_data)
+            raise StoreError(f"{MANIFEST} lacks a field ({type(e).__name__}: {e})")
+        check_data_files(path, files, check_data=check_data)
         try:
             shapes = np.load(os.path.join(path, SHAPES))
             kept = np.load(os.path.join(path, KEPT))
@@ -287,7 +306,7 @@ class CompressedStore:
     def gather(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """As ``store.ImageStore.gather``: uint8 [n, canvas_h, canvas_w, 3] (each decoded
         training image at the top-left, zeros elsewhere) and int32 [n, 2] (h, w)."""
-        ids = store._check_ids(ids, len(self))
+        ids = check_ids(ids, len(self))
         out = np.empty((len(ids), *self.canvas, 3), np.uint8)
 
         def one(k):
@@ -298,7 +317,7 @@ class CompressedStore:
                     f"{self.path}: image {i} decodes to {image.shape[:2]}, its shape is "
                     f"{tuple(self.shapes[i])}"
                 )
-            store._place(out[k], image)
+            place(out[k], image)
 
         list(self._pool.map(one, range(len(ids))))
         return out, self.shapes[ids]
@@ -306,7 +325,7 @@ class CompressedStore:
     def eval_images(self, ids: np.ndarray) -> np.ndarray:
         """uint8 [n, S, S, 3]: each image's stored evaluation input (PIL's bilinear resize of
         the full-size decode, re-encoded: module doc for its distance from PIL's)."""
-        ids = store._check_ids(ids, len(self))
+        ids = check_ids(ids, len(self))
         s = self.image_size
         out = np.empty((len(ids), s, s, 3), np.uint8)
 
@@ -355,19 +374,13 @@ def open_store(
     )
 
 
-def _key_and_path(index, image_size, short_side, stores_dir) -> tuple[list[str], str, str]:
-    paths = store._flat_paths(index)
-    key = store.store_key(index.root, paths, image_size, short_side, kind=KIND)
-    return paths, key, os.path.join(stores_dir, key)
-
-
 def open_existing(
     index, *, image_size: int = 224, short_side: int = 320, stores_dir: str
 ) -> CompressedStore | None:
     """The valid compressed store of ``index`` in ``stores_dir``, or None: a corrupt one is
     logged and discarded, stale ones (the folder's files changed) are logged."""
-    paths, key, final = _key_and_path(index, image_size, short_side, stores_dir)
-    return store._open_existing(
+    paths, key, final = locate(index, image_size, short_side, stores_dir, KIND)
+    return open_existing_store(
         stores_dir,
         final,
         index.root,
@@ -394,9 +407,9 @@ def build(
     """Build the compressed store of ``index`` in ``stores_dir`` (another process's store, if
     it places one first). ``sizes``: the files' header (h, w), if already read. OSError when
     the disk has clearly too little room (``estimate_bytes``)."""
-    paths, key, final = _key_and_path(index, image_size, short_side, stores_dir)
+    paths, key, final = locate(index, image_size, short_side, stores_dir, KIND)
     if sizes is None:
-        sizes = store.read_sizes(paths, progress=progress)
+        sizes = read_sizes(paths, progress=progress)
     need, free = estimate_bytes(sizes, image_size, short_side), shutil.disk_usage(stores_dir).free
     if need > free:
         raise OSError(
@@ -413,10 +426,8 @@ def _build(index, paths, sizes, key, final, image_size, short_side, workers, pro
     n = len(paths)
     if n == 0:
         raise BadImageError(f"{index.root}: no images to store")
-    shapes = store._stored_shapes(sizes, short_side)
-    stores_dir = os.path.dirname(final)
-    store._remove_orphaned_builds(stores_dir)
-    tmp = tempfile.mkdtemp(prefix=store._build_prefix(key), dir=stores_dir)
+    shapes = stored_shapes(sizes, short_side)
+    tmp = new_build_folder(final, key)
     start = time.perf_counter()
     try:
         writers = {s: _ShardWriter(tmp, s, SHARD_BYTES) for s in STREAMS}
@@ -431,19 +442,18 @@ def _build(index, paths, sizes, key, final, image_size, short_side, workers, pro
             kept.extend(kept_chunk)
             return count
 
-        workers = max(1, workers or store._cpu_count())
-        chunk = max(1, min(64, math.ceil(n / (workers * 8))))
+        workers, chunk = job_plan(n, workers, 64)
         jobs = [
             (image_size, paths[i : i + chunk], sizes[i : i + chunk], shapes[i : i + chunk])
             for i in range(0, n, chunk)
         ]
-        store._run_decode_jobs(
+        run_decode_jobs(
             jobs, workers, n, progress=progress, decode=_encode_chunk, consume=consume
         )
         names = [name for w in writers.values() for name in w.finish()]
         np.save(os.path.join(tmp, SHAPES), shapes)
         np.save(os.path.join(tmp, KEPT), np.asarray(kept, bool))
-        manifest = store._write_manifest(
+        manifest = write_manifest(
             tmp,
             key,
             n,
@@ -461,7 +471,7 @@ def _build(index, paths, sizes, key, final, image_size, short_side, workers, pro
                 "kept_originals": int(np.sum(kept)),
             },
         )
-        theirs = store._rename_into_place(tmp, final, key, n, opener=_open)
+        theirs = rename_into_place(tmp, final, key, n, opener=_open)
         if theirs is not None:
             return theirs
         tmp = None

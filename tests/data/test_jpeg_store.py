@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from sagm_jax.data import canvas, image_folder, jpeg_store, store
+from sagm_jax.data import canvas, decode, image_folder, jpeg_store, store, streaming
 
 SHORT, S = 24, 16  # short_side and image_size of the tests' stores
 # (width, height, format): JPEGs within the bounded size (kept as their bytes), larger ones
@@ -168,8 +168,12 @@ def test_same_ids_same_batch_and_a_second_open_decodes_nothing(built, monkeypatc
     def forbidden(*args, **kwargs):
         raise AssertionError("decoded the original files again")
 
-    for name in ("decode_file", "read_sizes"):
-        monkeypatch.setattr(store, name, forbidden)
+    for module, name in (
+        (jpeg_store, "decode_file"),
+        (jpeg_store, "read_sizes"),
+        (canvas, "read_sizes"),
+    ):
+        monkeypatch.setattr(module, name, forbidden)
     monkeypatch.setattr(jpeg_store, "_encode_chunk", forbidden)
     again = open_compressed(index, cache)
     single = jpeg_store.CompressedStore.open(again.path, threads=1)
@@ -201,7 +205,7 @@ def test_changed_files_give_a_new_store(tmp_path, caplog):
     old = open_compressed(index, cache)
     path = flat(index)[0]
     _write(path, 20, 30, "JPEG", seed=99)  # new pixels (and mtime)
-    with caplog.at_level(logging.WARNING, logger=store.__name__):
+    with caplog.at_level(logging.WARNING, logger="sagm_jax.data"):
         new = open_compressed(index, cache)
     assert new.path != old.path
     assert "changed since the compressed store" in caplog.text and old.path in caplog.text
@@ -247,7 +251,7 @@ def test_corrupt_store_is_rebuilt_not_used(tmp_path, monkeypatch, caplog, damage
     calls = []
     real = jpeg_store._encode_chunk
     monkeypatch.setattr(jpeg_store, "_encode_chunk", lambda job: calls.append(job) or real(job))
-    with caplog.at_level(logging.WARNING, logger=store.__name__):
+    with caplog.at_level(logging.WARNING, logger="sagm_jax.data"):
         again = open_compressed(index, cache)
     assert reason in caplog.text and "Rebuilding" in caplog.text
     assert sum(len(job[1]) for job in calls) == 4 and len(stores_in(cache)) == 1
@@ -310,14 +314,14 @@ def test_two_processes_building_at_once_leave_one_store(tmp_path):
 def test_auto_picks_the_compressed_store_over_budget(tmp_path, caplog):
     index = make_index(tmp_path / "tree", domains=("d0",), files=FILES[:6])
     cache = tmp_path / "cache"
-    sizes = store.read_sizes(flat(index), progress=False)
+    sizes = decode.read_sizes(flat(index), progress=False)
     decoded = store.estimate_store_bytes(sizes, S, SHORT)
     compressed = jpeg_store.estimate_bytes(sizes, S, SHORT)
     assert compressed == int(jpeg_store.BYTES_PER_PIXEL * decoded / 3) < decoded
     tiny = open_compressed(index, cache, mode="auto", budget_gb=1e-9)  # neither fits
-    assert isinstance(tiny, store.StreamingSource) and stores_in(cache) == []
+    assert isinstance(tiny, streaming.StreamingSource) and stores_in(cache) == []
     budget_gb = (compressed + decoded) / 2 / 2**30  # the compressed store fits, the decoded not
-    with caplog.at_level(logging.INFO, logger=store.__name__):
+    with caplog.at_level(logging.INFO, logger="sagm_jax.data"):
         chosen = open_compressed(index, cache, mode="auto", budget_gb=budget_gb)
     assert isinstance(chosen, jpeg_store.CompressedStore)
     assert "Using the compressed store" in caplog.text

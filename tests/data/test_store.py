@@ -17,7 +17,7 @@ import pytest
 from data_fixtures import pil_rgb, write_sixteen_bit_tree
 from PIL import Image
 
-from sagm_jax.data import canvas, image_folder, store
+from sagm_jax.data import canvas, decode, image_folder, store, streaming
 
 SHORT, S = 24, 16  # short_side and image_size of the tests' stores
 # (width, height, format): small (stored as decoded), larger (shrunk), grayscale PNG.
@@ -73,7 +73,7 @@ def decoded(path):
 
 def expected_stored(path):
     image = decoded(path)
-    h, w = store.stored_shape(image.height, image.width, SHORT)
+    h, w = decode.stored_shape(image.height, image.width, SHORT)
     return np.asarray(
         image if (h, w) == (image.height, image.width) else image.resize((w, h), Image.BILINEAR)
     )
@@ -93,23 +93,6 @@ def built(tmp_path_factory):
     index = make_index(tmp_path_factory.mktemp("tree"))
     cache = tmp_path_factory.mktemp("cache")
     return index, cache, open_store(index, cache, workers=2)
-
-
-def test_stored_shape_rule():
-    assert store.stored_shape(227, 227, 320) == (227, 227)  # PACS: kept
-    assert store.stored_shape(320, 1000, 320) == (320, 1000)
-    assert store.stored_shape(480, 640, 320) == (320, 427)  # 426.67 rounds to 427
-    assert store.stored_shape(1536, 2048, 320) == (320, 427)  # TerraIncognita
-    assert store.stored_shape(500, 375, 320) == (427, 320)
-    assert store.stored_shape(2, 3, 1) == (1, 2)  # 1.5: halves round up
-    # Every crop RandomResizedCrop(scale=(0.7, 1), ratio=(3/4, 4/3)) can draw from a stored
-    # image (shorter side 320) is >= 224 px on both sides: the smallest is min area, extreme
-    # aspect, on a square image.
-    for long_side in (320, 427, 480, 1000):
-        area = 0.7 * 320 * long_side
-        for ratio in (3 / 4, 4 / 3):
-            crop_w, crop_h = round(np.sqrt(area * ratio)), round(np.sqrt(area / ratio))
-            assert min(crop_w, crop_h) >= 224, (long_side, ratio, crop_w, crop_h)
 
 
 def test_gathered_and_eval_pixels_are_pils(built):
@@ -148,8 +131,13 @@ def test_second_open_decodes_nothing(built, monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("decoded again")
 
-    for name in ("decode_file", "_decode_chunk", "_build", "read_sizes"):
-        monkeypatch.setattr(store, name, forbidden)
+    for module, name in (
+        (store, "decode_file"),
+        (store, "_decode_chunk"),
+        (store, "build"),
+        (canvas, "read_sizes"),
+    ):
+        monkeypatch.setattr(module, name, forbidden)
     again = open_store(index, cache)
     assert again.path == first.path and len(stores_in(cache)) == 1
     ids = np.arange(len(again))
@@ -175,7 +163,7 @@ def test_changed_files_give_a_new_store(tmp_path, monkeypatch, caplog):
     path = flat(index)[0]
     _write(path, *decoded(path).size, "JPEG", seed=99)  # new pixels (and size, mtime)
     calls = counting_decodes(monkeypatch)
-    with caplog.at_level(logging.WARNING, logger=store.__name__):
+    with caplog.at_level(logging.WARNING, logger="sagm_jax.data"):
         new = open_store(index, cache)
     assert new.path != old.path and len(calls) == len(flat(index))
     assert "changed since" in caplog.text and old.path in caplog.text
@@ -220,7 +208,7 @@ def test_corrupt_store_is_rebuilt(tmp_path, monkeypatch, caplog, damage, reason)
     del first
     damage(os.path.join(cache, "stores", stores_in(cache)[0]))
     calls = counting_decodes(monkeypatch)
-    with caplog.at_level(logging.WARNING, logger=store.__name__):
+    with caplog.at_level(logging.WARNING, logger="sagm_jax.data"):
         again = open_store(index, cache)
     assert reason in caplog.text and "Rebuilding" in caplog.text
     assert len(calls) == 3 and len(stores_in(cache)) == 1
@@ -241,7 +229,7 @@ def test_concurrent_builds_leave_one_store(tmp_path, monkeypatch, caplog):
 
     monkeypatch.setattr(store, "_decode_chunk", decode_together)
     with (
-        caplog.at_level(logging.INFO, logger=store.__name__),
+        caplog.at_level(logging.INFO, logger="sagm_jax.data"),
         concurrent.futures.ThreadPoolExecutor(2) as pool,
     ):
         futures = [pool.submit(open_store, index, cache) for _ in range(2)]
@@ -256,18 +244,18 @@ def test_concurrent_builds_leave_one_store(tmp_path, monkeypatch, caplog):
 
 def test_streaming_matches_store(built):
     index, _, cached = built
-    streaming = canvas.open_source(
+    streamed = canvas.open_source(
         index, image_size=S, short_side=SHORT, mode="stream", progress=False
     )
-    assert isinstance(streaming, store.StreamingSource)
-    np.testing.assert_array_equal(streaming.shapes, cached.shapes)
-    assert streaming.canvas == cached.canvas and streaming.image_size == cached.image_size
+    assert isinstance(streamed, streaming.StreamingSource)
+    np.testing.assert_array_equal(streamed.shapes, cached.shapes)
+    assert streamed.canvas == cached.canvas and streamed.image_size == cached.image_size
     ids = np.arange(len(cached))
-    got, hw = streaming.gather(ids)
+    got, hw = streamed.gather(ids)
     want, _ = cached.gather(ids)
     np.testing.assert_array_equal(hw, cached.shapes)
     diff = np.abs(got.astype(int) - want)
-    eval_diff = np.abs(streaming.eval_images(ids).astype(int) - cached.eval_images(ids))
+    eval_diff = np.abs(streamed.eval_images(ids).astype(int) - cached.eval_images(ids))
     # draft reduces only JPEGs at least twice the wanted size; the rest are the store's.
     reduced = [
         i for i, p in enumerate(flat(index)) if p.endswith(".jpg") and min(decoded(p).size) > SHORT
@@ -277,18 +265,18 @@ def test_streaming_matches_store(built):
     # Measured on these reduced images (8-px texture plus grain, reduced exactly 2x, where
     # libjpeg's scaled IDCT is furthest from PIL's antialiased bilinear): stored pixels mean
     # 3.1, max 36 levels; eval mean 1.4, max 7. (On a 2048x1536 photo-like JPEG to 320x427
-    # the store module's doc gives mean 0.5, max 3.)
+    # the streaming module's doc gives mean 0.5, max 3.)
     region = np.concatenate([diff[i, :h, :w].ravel() for i, (h, w) in zip(reduced, hw[reduced])])
     assert region.mean() < 4 and region.max() <= 48
     assert eval_diff[reduced].mean() < 2 and eval_diff[reduced].max() <= 16
-    streaming.close()
+    streamed.close()
 
 
 def test_auto_streams_over_budget_and_names_bad_files(tmp_path):
     index = make_index(tmp_path / "tree", domains=("d0",), files=FILES[:2])
     cache = tmp_path / "cache"
     tiny = open_store(index, cache, mode="auto", budget_gb=1e-9)
-    assert isinstance(tiny, store.StreamingSource) and stores_in(cache) == []
+    assert isinstance(tiny, streaming.StreamingSource) and stores_in(cache) == []
     assert isinstance(open_store(index, cache, mode="auto"), store.ImageStore)
     with pytest.raises(ValueError, match="mode must be one of"):
         open_store(index, cache, mode="disk")

@@ -117,7 +117,7 @@ def test_a_streamed_image_folder_is_decoded_at_the_first_evaluation_only(tmp_pat
     """Streaming (a dataset too big to store) decodes every evaluation image at the first
     evaluation and never again in the run: the counted decoder is PIL's, store.decode_draft."""
     from sagm_jax import cli
-    from sagm_jax.data import store
+    from sagm_jax.data import streaming as store
 
     from PIL import Image
 
