@@ -12,7 +12,7 @@ The sources, one module each:
 * ``mnist.ArraySource``: the in-memory MNIST-like datasets, indexed in NumPy, never
   augmented;
 * ``canvas.CanvasSource``: an image folder decoded once (``store.ImageStore``) or on
-  every call (``store.StreamingSource``); training batches carry uint8 canvases for the
+  every call (``streaming.StreamingSource``); training batches carry uint8 canvases for the
   augmentation on the accelerator (``device_augment.py``);
 * ``tf_input.TFDataSource``: an image folder read, decoded and augmented by tf.data on
   the host.

@@ -115,9 +115,9 @@ def test_the_evaluation_batch_default_is_per_device_and_platform():
 
 def test_a_streamed_image_folder_is_decoded_at_the_first_evaluation_only(tmp_path, monkeypatch):
     """Streaming (a dataset too big to store) decodes every evaluation image at the first
-    evaluation and never again in the run: the counted decoder is PIL's, store.decode_draft."""
+    evaluation and never again in the run: the counted decoder is PIL's, decode_draft."""
     from sagm_jax import cli
-    from sagm_jax.data import streaming as store
+    from sagm_jax.data import streaming
 
     from PIL import Image
 
@@ -140,15 +140,15 @@ def test_a_streamed_image_folder_is_decoded_at_the_first_evaluation_only(tmp_pat
         eval_batch_size=8,
     )
     decoded = []
-    decode = store.decode_draft
+    decode = streaming.decode_draft
 
     def counted(path, shape):
         decoded.append(path)
         return decode(path, shape)
 
-    monkeypatch.setattr(store, "decode_draft", counted)
+    monkeypatch.setattr(streaming, "decode_draft", counted)
     dataset = data_lib.from_config(config)
-    assert isinstance(dataset.source.images, store.StreamingSource)
+    assert isinstance(dataset.source.images, streaming.StreamingSource)
     mesh = Mesh(np.array(jax.devices()), ("batch",))
     evaluator = Evaluator(Linear(), dataset, mesh, config, train_envs=[1, 2])
     params = Linear().init(jax.random.key(0), np.zeros((1, 16, 16, 3), np.float32))["params"]

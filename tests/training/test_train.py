@@ -17,7 +17,7 @@ from PIL import Image
 from sagm_jax import models
 from sagm_jax.training import rundir
 from sagm_jax.training import train
-from sagm_jax.data import device_augment, store
+from sagm_jax.data import decode, device_augment
 from sagm_jax.config import base_config, mnist_config
 from sagm_jax.models import synthetic
 
@@ -555,7 +555,7 @@ def test_folder_images_are_resized_to_the_runs_input_and_normalised(tmp_path):
     path = str(tmp_path / "image.png")
     Image.fromarray(pixels).save(path)
     # What the run evaluated: the store's evaluation image, normalised on the device.
-    stored = store.decode_file(path, (45, 70), (45, 70), 32)[1]
+    stored = decode.decode_file(path, (45, 70), (45, 70), 32)[1]
     expected = np.asarray(device_augment.normalize(stored.astype(np.float32) / 255.0))
     with Image.open(path) as opened:
         batch = train.preprocess(workdir, [path, pixels, opened])  # a file, an array, PIL's
