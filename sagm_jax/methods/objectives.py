@@ -3,7 +3,8 @@
 This module owns every objective (ERM, Mixup, CutMix, CORAL, MMD, GroupDRO, IRM, VREx),
 each a loss function with its registry entry beside it (``registry.register_objective``),
 as DomainBed's ``domainbed/algorithms.py`` and, for CutMix, the SAGM authors'
-``Wang-pengfei/SAGM``, ``domainbed/algorithms/algorithms.py``, state them; their random draws (Mixup's pairs and weights, CutMix's coin, box and permutation), their
+``Wang-pengfei/SAGM``, ``domainbed/algorithms/algorithms.py``, state them; their random
+draws (Mixup's pairs and weights, CutMix's coin, box and permutation), their
 penalties (public: ``coral_penalty``, ``mmd_penalty``, ``pairwise_penalty``,
 ``irm_penalty``) and their state (GroupDRO's ``q``; IRM's and VREx's anneal reads the
 step counter, and ``reset_optimizer_step`` tells the train step when Adam restarts).

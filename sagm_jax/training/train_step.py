@@ -205,13 +205,7 @@ def make_train_step(
                 loss_fn, state, clean_key, clean_mixstyle, method.disam_lambda
             )
             objective_state, metrics, batch_stats = aux.state, aux.metrics, aux.batch_stats
-
-            def grad_fn(params, i):  # the perturbed pass: the state does not advance again
-                del i
-                return jax.grad(loss_fn, has_aux=True)(
-                    params, perturbed_key, use_mixstyle, objective_state, False
-                )[0]
-
+            grad_fn = _perturbed_gradient(loss_fn, perturbed_key, use_mixstyle, objective_state)
             updates, opt_state = optimizer.update(
                 grads, opt_state, state.params, grad_fn=grad_fn, **extra
             )
@@ -227,6 +221,17 @@ def make_train_step(
         return state, metrics
 
     return train_step
+
+
+def _perturbed_gradient(loss_fn, key, mixstyle, objective_state):
+    """The head's ``grad_fn(params, i)``: the gradient of the perturbed pass, with the
+    objective's state as the clean pass left it (it does not advance again)."""
+
+    def grad_fn(params, i):
+        del i
+        return jax.grad(loss_fn, has_aux=True)(params, key, mixstyle, objective_state, False)[0]
+
+    return grad_fn
 
 
 def _restarted(optimizer, state: TrainState, reset_step: int | None):

@@ -5,7 +5,8 @@ Every file in ``configs/`` starts from :func:`base_config` and overrides the
 fields its dataset needs; ``--config.key=value`` overrides on the command line.
 :func:`section` gives the values of one section of :func:`fields` to the code that
 owns it (``sagm_jax.training.train.optimizer_from_config`` takes ``"optimizer"``).
-:func:`config_problems` runs every field's check and lists every value the run cannot
+:func:`config_problems` runs every field's check (the checks of single values are
+:mod:`sagm_jax.config.checks`) and lists every value the run cannot
 honour, one line each, naming the key and what was expected (:func:`validate` raises
 them); :func:`weights_problem` is the one check of the weights (with the file's format
 before a run); :func:`config_warnings` lists settings that are likely slips but may be
@@ -17,18 +18,14 @@ rules and their hyperparameters from ``sagm_jax.methods``; the weights files fro
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import operator
 import os
-from typing import Callable, Iterator, NamedTuple, Sequence
+from typing import Iterator, NamedTuple
 
 import ml_collections
 
 from sagm_jax.data.registry import DATASETS
 from sagm_jax.formatting import flag_value
 from sagm_jax.models import ARCHS, WEIGHTS_FILES, weights_url
-from sagm_jax.models.mnist_cnn import CONV_LAYERS, GROUPNORM_GROUPS
 from sagm_jax.models.resnet import ARCHITECTURES as RESNET_ARCHS, MIXSTYLE_STAGES
 from sagm_jax.models.torchvision_weights import ACCEPTED_FORMATS, weights_file_problem
 from sagm_jax.methods.registry import (
@@ -40,10 +37,8 @@ from sagm_jax.methods.registry import (
 )
 from sagm_jax.methods.registry import hyperparameters as method_hyperparameters
 from sagm_jax.methods.update_rules import RHO
-
-# A field's check: (value, config, device_count) -> None, or what was expected.
-# ``device_count`` is JAX's when known (None before JAX starts).
-Check = Callable[[object, ml_collections.ConfigDict, int | None], str | None]
+from sagm_jax.config import checks
+from sagm_jax.config.checks import Check, test_envs_problem  # noqa: F401  (the CLI's)
 
 
 class Field(NamedTuple):
@@ -54,193 +49,6 @@ class Field(NamedTuple):
     default: object
     meaning: str
     check: Check
-
-
-# --- the checks the fields are built from ------------------------------------------
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return (
-        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    )
-
-
-def _integer(at_least: int, why: str = "", at_most: int | None = None) -> Check:
-    def check(value, config, device_count):
-        if not (_is_int(value) and value >= at_least):
-            return ("a positive integer" if at_least == 1 else f"an integer >= {at_least}") + why
-        if at_most is not None and value > at_most:
-            return f"an integer <= {at_most}" + why
-
-    return check
-
-
-def _number(interval: str, why: str = "") -> Check:
-    """A finite number in ``interval``, written as the message shows it: ``"> 0"``,
-    ``">= 0"``, or bounds such as ``"(0, 1)"``, ``"[0, 1)"``, ``"[0, 1]"``."""
-    if interval.startswith(">"):
-        sign, bound = interval.split()
-        low, high, text = float(bound), math.inf, interval
-        lower, upper = (operator.ge if sign == ">=" else operator.gt), operator.le
-    else:
-        low, high = (float(bound) for bound in interval[1:-1].split(","))
-        lower = operator.gt if interval[0] == "(" else operator.ge
-        upper = operator.lt if interval[-1] == ")" else operator.le
-        text = f"in {interval}"
-
-    def check(value, config, device_count):
-        if not (_is_number(value) and lower(value, low) and upper(value, high)):
-            return f"a number {text}{why}"
-
-    return check
-
-
-def _kind(kind: type, text: str) -> Check:
-    def check(value, config, device_count):
-        if not isinstance(value, kind):
-            return text
-
-    return check
-
-
-_BOOL = _kind(bool, "True or False")
-_TEXT = _kind(str, "a string")
-
-
-@dataclasses.dataclass(frozen=True)
-class OneOf:
-    """The check of a field that names one of ``names`` (a registry's, where one exists)."""
-
-    names: Sequence[str]
-
-    def __call__(self, value, config, device_count):
-        if not isinstance(value, str) or value not in self.names:
-            return f"one of {', '.join(self.names)}"
-
-
-def _bounds(bounds: str, note: str = "") -> Check:
-    """The check of a method hyperparameter's bounds as ``sagm_jax.methods`` writes them:
-    ``"int >= k"``, ``"one of a, b"`` or an interval of :func:`_number`; ``note`` follows
-    the expected value in the message."""
-    if bounds.startswith("int >= "):
-        return _integer(int(bounds.split()[-1]), note)
-    if bounds.startswith("one of "):
-        return OneOf(tuple(bounds[len("one of "):].split(", ")))
-    return _number(bounds, note)
-
-
-def _test_envs(value, config, device_count):
-    expected = (
-        "environment indices (distinct, >= 0), e.g. --config.test_envs=0 or "
-        "--config.test_envs=0,1"
-    )
-    if not isinstance(value, (tuple, list)) or not value:
-        return expected
-    if not all(_is_int(e) and e >= 0 for e in value) or len(set(value)) != len(value):
-        return expected
-    spec = DATASETS.get(config.get("dataset"))
-    if spec is not None and spec.domains:
-        return test_envs_problem(value, config.dataset, spec.domains)
-
-
-def test_envs_problem(test_envs: Sequence[int], dataset: str, env_names: Sequence[str]):
-    """What ``test_envs`` (distinct indices >= 0) should be, for a dataset whose
-    environments are ``env_names``: indices among them that leave a training environment.
-    The command line checks an image folder's with it once it has listed the folders."""
-    envs = ", ".join(f"{i} {name}" for i, name in enumerate(env_names))
-    if max(test_envs) >= len(env_names):
-        return f"indices of {dataset}'s environments ({envs})"
-    if len(test_envs) >= len(env_names):
-        return (
-            f"a set that leaves a training environment: this one leaves no training "
-            f"environment of {dataset}'s {len(env_names)} ({envs})"
-        )
-
-
-def _stages(value, config, device_count):
-    stages = ", ".join(str(s) for s in MIXSTYLE_STAGES)
-    expected = f"distinct ResNet stages among {stages}"
-    if not isinstance(value, (tuple, list)) or not all(_is_int(s) for s in value):
-        return expected
-    if len(set(value)) != len(value) or not all(s in MIXSTYLE_STAGES for s in value):
-        return expected
-    if config.get("mixstyle") is True and not value:
-        return expected + " (config.mixstyle=True with no stage is no MixStyle)"
-
-
-def _cnn_widths(value, config, device_count):
-    expected = (
-        f"{len(CONV_LAYERS)} positive multiples of {GROUPNORM_GROUPS} (GroupNorm's groups), "
-        "e.g. 64,128,128,128"
-    )
-    if not isinstance(value, (tuple, list)) or len(value) != len(CONV_LAYERS):
-        return expected
-    if not all(_is_int(w) and w > 0 and w % GROUPNORM_GROUPS == 0 for w in value):
-        return expected
-
-
-def _store_short_side(value, config, device_count):
-    if not _is_int(value) or value < 1:
-        return "a positive integer"
-    if _is_int(config.get("image_size")) and value < config.image_size:
-        return (
-            f"an integer >= config.image_size={config.image_size} (a smaller store would "
-            "upsample every crop from a downscaled image)"
-        )
-
-
-
-
-# rho's bound. The published radii are 0.01-0.1 (SAM, GSAM, SAGM) and up to 2 for
-# ASAM's scaled perturbation; far above them the perturbed point says nothing of the
-# loss near the weights (rho=1e9 trains to chance), so it is an error, not a warning.
-RHO_MAX = 10.0
-
-
-def _rho(value, config, device_count):
-    if not _is_number(value) or value < 0:
-        return "a number >= 0 (the radius of the perturbation)"
-    if value > RHO_MAX:
-        return (
-            f"a number in [0, {RHO_MAX:g}] (the radius of the perturbation; published "
-            "radii are 0.01-0.1, ASAM's up to 2)"
-        )
-    if value == 0 and config.get("algorithm") in rule_names("head"):  # rho 0 is not them
-        return f"a number > 0: with rho 0, algorithm={config.algorithm} does not perturb"
-
-
-# A ResNet halves its input five times (stem, max pool, three strided stages): below
-# 32 px its last stage sees less than one pixel.
-RESNET_STRIDE = 32
-
-
-def _image_size(value, config, device_count):
-    if not _is_int(value) or value < 1:
-        return "a positive integer"
-    if config.get("arch") in RESNET_ARCHS and value < RESNET_STRIDE:
-        return (
-            f"an integer >= {RESNET_STRIDE} (config.arch={config.arch} downsamples its input "
-            f"{RESNET_STRIDE} times; the paper uses 224)"
-        )
-
-
-def _swad_tolerance(value, config, device_count):
-    converge = config.get("swad_n_converge")
-    if not _is_int(value) or value < 1:
-        return "a positive integer"
-    if _is_int(converge) and value < converge:
-        return f"an integer >= config.swad_n_converge={converge} (SWAD's window holds it)"
-
-
-def _num_devices(value, config, device_count):
-    if not _is_int(value) or value < 0:
-        return "an integer >= 0 (0 = every device)"
-    if device_count is not None and value > device_count:
-        return f"at most the {device_count} device(s) JAX sees (0 = all of them)"
 
 
 # --- the fields ---------------------------------------------------------------------
@@ -257,88 +65,91 @@ FIELDS: dict[str, tuple[Field, ...]] = {
             "RotatedDigits",
             ", ".join(n for n in DATASETS if n != "ImageFolder")
             + ", or ImageFolder (your own DATA_DIR/<domain>/<class>/<image>)",
-            OneOf(tuple(DATASETS)),
+            checks.OneOf(tuple(DATASETS)),
         ),
         Field(
             "data_dir",
             "",
             "folder holding the dataset folders (PACS/, VLCS/, ...); see the README",
-            _TEXT,
+            checks.TEXT,
         ),
         Field(
-            "test_envs", (0,), "held-out environments of one run (distinct indices)", _test_envs
+            "test_envs",
+            (0,),
+            "held-out environments of one run (distinct indices)",
+            checks.test_envs,
         ),
         Field(
             "all_test_envs",
             False,
             "one run per environment, then the table (SAGM's train_all)",
-            _BOOL,
+            checks.BOOL,
         ),
-        Field("trial_seed", 0, "picks the split (DomainBed's trial_seed)", _integer(0)),
-        Field("seed", 0, "picks initialization, batches, dropout, augmentation", _integer(0)),
+        Field("trial_seed", 0, "picks the split (DomainBed's trial_seed)", checks.integer(0)),
+        Field("seed", 0, "picks initialization, batches, dropout, augmentation", checks.integer(0)),
         Field(
             "hparams_seed",
             -1,
             "DomainBed's hparams_seed: the index of a --hparams random setting "
             "(-1 = a hash of the hyperparameters)",
-            _integer(-1),
+            checks.integer(-1),
         ),
         Field(
             "holdout_fraction",
             0.2,
             "the 'out' (validation) share of each environment",
-            _number("(0, 1)"),
+            checks.number("(0, 1)"),
         ),
         Field(
             "split",
             "domainbed",
             "'domainbed' (80/20) or 'in_domain' (60/20/20, the paper's Table 2)",
-            OneOf(("domainbed", "in_domain")),
+            checks.OneOf(("domainbed", "in_domain")),
         ),
         Field(
             "batch_per_env",
             32,
             "training examples per training environment and step",
-            _integer(1),
+            checks.integer(1),
         ),
         Field(
             "eval_splits",
             "fast",
-            '"fast": what model selection reads (training envs\' out, test envs\' every '
+            "\"fast\": what model selection reads (training envs' out, test envs' every "
             'part, in-domain test parts); "all": every part of every env (DomainBed)',
-            OneOf(("fast", "all")),
+            checks.OneOf(("fast", "all")),
         ),
         Field(
             "eval_batch_size",
             0,
             "examples per evaluation batch; 0 = 128 per device on a CPU, 512 per GPU/TPU",
-            _integer(0),
+            checks.integer(0),
         ),
         Field(
             "eval_cache_gb",
             40.0,
             "evaluation inputs are kept on the accelerator up to this size (and half its "
             "free memory), else in host memory (up to half the free RAM), else decoded again",
-            _number(">= 0"),
+            checks.number(">= 0"),
         ),
         Field(
             "augment_validation",
             False,
             "augment the 'out' splits too (DomainBed's old default)",
-            _BOOL,
+            checks.BOOL,
         ),
         Field(
             "skip_bad_files",
             False,
             "report and skip undecodable images instead of failing",
-            _BOOL,
+            checks.BOOL,
         ),
-        Field("image_size", 224, "side of the model input for image folders", _image_size),
+        Field("image_size", 224, "side of the model input for image folders", checks.image_size),
         Field(
             "input",
             "device",
             '"device": decode once, augment on the accelerator; "tf": tf.data on the host',
-            OneOf(("device", "tf")),
+            checks.OneOf(("device", "tf")),
         ),
         Field(
             "image_store",
@@ -346,74 +157,86 @@ FIELDS: dict[str, tuple[Field, ...]] = {
             '"cache" (decoded store on disk), "compressed" (JPEG store on disk, decoded per '
             'use), "stream" (decode the files per use), "auto" (decoded, else compressed, '
             "within store_budget_gb; else stream)",
-            OneOf(("auto", "cache", "compressed", "stream")),
+            checks.OneOf(("auto", "cache", "compressed", "stream")),
         ),
         Field(
             "store_short_side",
             320,
             "stored images' shorter side is capped at this (every crop >= 224)",
-            _store_short_side,
+            checks.store_short_side,
         ),
         Field(
             "store_budget_gb",
             64.0,
             '"auto": the most a store may take on disk (decoded, else compressed, else stream)',
-            _number(">= 0"),
+            checks.number(">= 0"),
         ),
         Field(
             "cache_dir",
             "",
             'decoded stores and checks; "" = $SAGM_JAX_CACHE or ~/.cache/sagm_jax',
-            _TEXT,
+            checks.TEXT,
         ),
     ),
     "model": (
-        Field("arch", "resnet50", ", ".join(ARCHS), OneOf(ARCHS)),
+        Field("arch", "resnet50", ", ".join(ARCHS), checks.OneOf(ARCHS)),
         Field(
             "pretrained_weights",
             "",
             "torchvision ImageNet weights (.pth/.safetensors/.npz); 'none' = from scratch",
-            _kind(str, "a path, or 'none'"),
+            checks.kind(str, "a path, or 'none'"),
         ),
-        Field("dropout", 0.5, "dropout on the pooled feature", _number("[0, 1)")),
+        Field("dropout", 0.5, "dropout on the pooled feature", checks.number("[0, 1)")),
         Field(
             "freeze_batchnorm",
             True,
             "BatchNorm uses its running statistics and never updates them",
-            _BOOL,
+            checks.BOOL,
         ),
         Field(
             "mixstyle",
             False,
             "MixStyle after the ResNet stages mixstyle_after (SAGM + MixStyle)",
-            _BOOL,
+            checks.BOOL,
         ),
-        Field("mixstyle_after", MIXSTYLE_STAGES, "ResNet stages followed by MixStyle", _stages),
+        Field(
+            "mixstyle_after", MIXSTYLE_STAGES, "ResNet stages followed by MixStyle", checks.stages
+        ),
         # The MixStyle paper and SWAD's repository use p 0.5; the SAGM repository's
         # ResNet-50 builder sets p 1 (docs/protocol.md).
-        Field("mixstyle_p", 0.5, "probability that a MixStyle layer restyles a batch", _number("[0, 1]")),
-        Field("mixstyle_alpha", 0.1, "MixStyle's Beta(alpha, alpha) mixing weights", _number("> 0")),
+        Field(
+            "mixstyle_p",
+            0.5,
+            "probability that a MixStyle layer restyles a batch",
+            checks.number("[0, 1]"),
+        ),
+        Field(
+            "mixstyle_alpha",
+            0.1,
+            "MixStyle's Beta(alpha, alpha) mixing weights",
+            checks.number("> 0"),
+        ),
         Field(
             "cnn_widths",
             (64, 128, 128, 128),
             "the MNIST CNN's conv widths (DomainBed's)",
-            _cnn_widths,
+            checks.cnn_widths,
         ),
     ),
     "optimizer": (
-        Field("lr", 3e-5, "Adam's learning rate (constant)", _number("> 0")),
+        Field("lr", 3e-5, "Adam's learning rate (constant)", checks.number("> 0")),
         Field(
             "weight_decay",
             1e-4,
             "coupled L2 weight decay (added to the gradient, as torch's Adam)",
-            _number(">= 0"),
+            checks.number(">= 0"),
         ),
-        Field("adaptive", False, "ASAM-style scaling of the perturbation by |w|", _BOOL),
+        Field("adaptive", False, "ASAM-style scaling of the perturbation by |w|", checks.BOOL),
         Field(
             "perturbation",
             "global",
             '"global" (the one-device result) or "per_device" (m-sharpness, another algorithm)',
-            OneOf(("global", "per_device")),
+            checks.OneOf(("global", "per_device")),
         ),
     ),
     "step": (
@@ -421,19 +244,19 @@ FIELDS: dict[str, tuple[Field, ...]] = {
             "shared_dropout",
             False,
             "reuse the clean pass's dropout mask in the perturbed pass",
-            _BOOL,
+            checks.BOOL,
         ),
         Field(
             "compute_dtype",
             "float32",
             '"float32", or "bfloat16" on accelerators',
-            OneOf(("float32", "bfloat16")),
+            checks.OneOf(("float32", "bfloat16")),
         ),
         Field(
             "num_devices",
             0,
             "devices of the batch mesh; 0 = every device of every host",
-            _num_devices,
+            checks.num_devices,
         ),
     ),
     "swad": (
@@ -441,44 +264,47 @@ FIELDS: dict[str, tuple[Field, ...]] = {
             "swad",
             False,
             "SWAD: average the weights densely over the validation loss's valley",
-            _BOOL,
+            checks.BOOL,
         ),
         Field(
             "swad_eval_every",
             100,
             "with swad=True, the evaluation interval (SWAD's per-dataset frequency)",
-            _integer(1),
+            checks.integer(1),
         ),
-        Field("swad_n_converge", 3, "evaluations the loss must stop falling for", _integer(1)),
+        Field(
+            "swad_n_converge", 3, "evaluations the loss must stop falling for", checks.integer(1)
+        ),
         Field(
             "swad_n_tolerance",
             6,
             "evaluations above the tolerance that end the valley",
-            _swad_tolerance,
+            checks.swad_tolerance,
         ),
         Field(
             "swad_tolerance_ratio",
             0.3,
             "the valley's tolerance: (1 + ratio) x the converged loss",
-            _number(">= 0"),
+            checks.number(">= 0"),
         ),
         Field(
             "swad_fix_quirks",
             False,
             "fix the reference's segment quirks (skipped, repeated, pre-convergence segments)",
-            _BOOL,
+            checks.BOOL,
         ),
         Field(
             "swad_batchnorm_batches",
             500,
-            "trainable BatchNorm: training minibatches that re-estimate the SWAD model's statistics",
-            _integer(1),
+            "trainable BatchNorm: training minibatches that re-estimate the SWAD model's "
+            "statistics",
+            checks.integer(1),
         ),
         Field(
             "swad_stop_at_valley_end",
             True,
             "stop training when the valley ends, as the reference does",
-            _BOOL,
+            checks.BOOL,
         ),
     ),
     "schedule": (
@@ -487,16 +313,16 @@ FIELDS: dict[str, tuple[Field, ...]] = {
             5001,
             "training steps (DomainBed's 5001; DomainNet 15001)",
             # The step counter is a 32-bit integer on the device.
-            _integer(1, at_most=2**31 - 1, why=" (the step counter is a 32-bit integer)"),
+            checks.integer(1, at_most=2**31 - 1, why=" (the step counter is a 32-bit integer)"),
         ),
         Field(
             "eval_every",
             100,
             "evaluate after step 0, every eval_every steps, and the last",
-            _integer(1),
+            checks.integer(1),
         ),
-        Field("log_every", 10, "steps between training-loss logs", _integer(1)),
-        Field("checkpoint", True, "orbax checkpoints (resume, best model)", _BOOL),
+        Field("log_every", 10, "steps between training-loss logs", checks.integer(1)),
+        Field("checkpoint", True, "orbax checkpoints (resume, best model)", checks.BOOL),
     ),
 }
 # What `--help` prints above each section.
@@ -517,11 +343,18 @@ def method_fields() -> tuple[Field, ...]:
     rule, and every hyperparameter of a registered method with its default, meaning and
     bounds (rho's own check: 0 is refused for a rule that perturbs)."""
     fields = [
-        Field("objective", "erm", "the loss a step minimises: " + ", ".join(OBJECTIVES),
-              OneOf(tuple(OBJECTIVES))),
-        Field("algorithm", "sagm",
-              "the update rule: " + ", ".join(UPDATE_RULES) + " (erm_sam: SAGM with alpha 0)",
-              OneOf(tuple(UPDATE_RULES))),
+        Field(
+            "objective",
+            "erm",
+            "the loss a step minimises: " + ", ".join(OBJECTIVES),
+            checks.OneOf(tuple(OBJECTIVES)),
+        ),
+        Field(
+            "algorithm",
+            "sagm",
+            "the update rule: " + ", ".join(UPDATE_RULES) + " (erm_sam: SAGM with alpha 0)",
+            checks.OneOf(tuple(UPDATE_RULES)),
+        ),
     ]
     taken = {field.key for section_fields in FIELDS.values() for field in section_fields}
     for hp in method_hyperparameters():
@@ -530,7 +363,7 @@ def method_fields() -> tuple[Field, ...]:
                 f"method hyperparameter {hp.key!r} ({', '.join(owners(hp.key))}) is a config "
                 "field of its own already; register it under another key."
             )
-        check = _rho if hp.key == "rho" else _bounds(hp.bounds, hp.note)
+        check = checks.rho if hp.key == "rho" else checks.bounds(hp.bounds, hp.note)
         fields.append(Field(hp.key, hp.default, hp.meaning, check))
     return tuple(fields)
 
@@ -619,7 +452,7 @@ def method_problems(config: ml_collections.ConfigDict) -> list[str]:
     and the procedures copy and interpolate weights, not BatchNorm statistics."""
     objective, algorithm = config.get("objective"), config.get("algorithm")
     disam = config.get("disam_lambda")
-    if objective not in OBJECTIVES or algorithm not in UPDATE_RULES or not _is_number(disam):
+    if objective not in OBJECTIVES or algorithm not in UPDATE_RULES or not checks.is_number(disam):
         return []  # named by the fields' own checks
     problems = [combination_problem(objective, algorithm, disam)]
     if config.get("perturbation") == "per_device" and (

@@ -1,0 +1,202 @@
+"""The checks of single config values: ``check(value, config, device_count) -> None``,
+or what was expected (``sagm_jax.config`` adds the key and the value). The generic ones
+(integers, numbers in an interval, one of some names, a method hyperparameter's bounds)
+and those of particular fields (test environments, MixStyle stages, the MNIST CNN's
+widths, the store's short side, rho, the input size, SWAD's tolerance, devices)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Callable, Sequence
+
+import ml_collections
+
+from sagm_jax.data.registry import DATASETS
+from sagm_jax.methods.registry import rule_names
+from sagm_jax.models.mnist_cnn import CONV_LAYERS, GROUPNORM_GROUPS
+from sagm_jax.models.resnet import ARCHITECTURES as RESNET_ARCHS, MIXSTYLE_STAGES
+
+# A field's check: (value, config, device_count) -> None, or what was expected.
+# ``device_count`` is JAX's when known (None before JAX starts).
+Check = Callable[[object, ml_collections.ConfigDict, int | None], str | None]
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def integer(at_least: int, why: str = "", at_most: int | None = None) -> Check:
+    def check(value, config, device_count):
+        if not (is_int(value) and value >= at_least):
+            return ("a positive integer" if at_least == 1 else f"an integer >= {at_least}") + why
+        if at_most is not None and value > at_most:
+            return f"an integer <= {at_most}" + why
+
+    return check
+
+
+def number(interval: str, why: str = "") -> Check:
+    """A finite number in ``interval``, written as the message shows it: ``"> 0"``,
+    ``">= 0"``, or bounds such as ``"(0, 1)"``, ``"[0, 1)"``, ``"[0, 1]"``."""
+    if interval.startswith(">"):
+        sign, bound = interval.split()
+        low, high, text = float(bound), math.inf, interval
+        lower, upper = (operator.ge if sign == ">=" else operator.gt), operator.le
+    else:
+        low, high = (float(bound) for bound in interval[1:-1].split(","))
+        lower = operator.gt if interval[0] == "(" else operator.ge
+        upper = operator.lt if interval[-1] == ")" else operator.le
+        text = f"in {interval}"
+
+    def check(value, config, device_count):
+        if not (is_number(value) and lower(value, low) and upper(value, high)):
+            return f"a number {text}{why}"
+
+    return check
+
+
+def kind(kind: type, text: str) -> Check:
+    def check(value, config, device_count):
+        if not isinstance(value, kind):
+            return text
+
+    return check
+
+
+BOOL = kind(bool, "True or False")
+TEXT = kind(str, "a string")
+
+
+@dataclasses.dataclass(frozen=True)
+class OneOf:
+    """The check of a field that names one of ``names`` (a registry's, where one exists)."""
+
+    names: Sequence[str]
+
+    def __call__(self, value, config, device_count):
+        if not isinstance(value, str) or value not in self.names:
+            return f"one of {', '.join(self.names)}"
+
+
+def bounds(bounds: str, note: str = "") -> Check:
+    """The check of a method hyperparameter's bounds as ``sagm_jax.methods`` writes them:
+    ``"int >= k"``, ``"one of a, b"`` or an interval of :func:`number`; ``note`` follows
+    the expected value in the message."""
+    if bounds.startswith("int >= "):
+        return integer(int(bounds.split()[-1]), note)
+    if bounds.startswith("one of "):
+        return OneOf(tuple(bounds[len("one of ") :].split(", ")))
+    return number(bounds, note)
+
+
+def test_envs(value, config, device_count):
+    expected = (
+        "environment indices (distinct, >= 0), e.g. --config.test_envs=0 or --config.test_envs=0,1"
+    )
+    if not isinstance(value, (tuple, list)) or not value:
+        return expected
+    if not all(is_int(e) and e >= 0 for e in value) or len(set(value)) != len(value):
+        return expected
+    spec = DATASETS.get(config.get("dataset"))
+    if spec is not None and spec.domains:
+        return test_envs_problem(value, config.dataset, spec.domains)
+
+
+def test_envs_problem(test_envs: Sequence[int], dataset: str, env_names: Sequence[str]):
+    """What ``test_envs`` (distinct indices >= 0) should be, for a dataset whose
+    environments are ``env_names``: indices among them that leave a training environment.
+    The command line checks an image folder's with it once it has listed the folders."""
+    envs = ", ".join(f"{i} {name}" for i, name in enumerate(env_names))
+    if max(test_envs) >= len(env_names):
+        return f"indices of {dataset}'s environments ({envs})"
+    if len(test_envs) >= len(env_names):
+        return (
+            f"a set that leaves a training environment: this one leaves no training "
+            f"environment of {dataset}'s {len(env_names)} ({envs})"
+        )
+
+
+def stages(value, config, device_count):
+    stages = ", ".join(str(s) for s in MIXSTYLE_STAGES)
+    expected = f"distinct ResNet stages among {stages}"
+    if not isinstance(value, (tuple, list)) or not all(is_int(s) for s in value):
+        return expected
+    if len(set(value)) != len(value) or not all(s in MIXSTYLE_STAGES for s in value):
+        return expected
+    if config.get("mixstyle") is True and not value:
+        return expected + " (config.mixstyle=True with no stage is no MixStyle)"
+
+
+def cnn_widths(value, config, device_count):
+    expected = (
+        f"{len(CONV_LAYERS)} positive multiples of {GROUPNORM_GROUPS} (GroupNorm's groups), "
+        "e.g. 64,128,128,128"
+    )
+    if not isinstance(value, (tuple, list)) or len(value) != len(CONV_LAYERS):
+        return expected
+    if not all(is_int(w) and w > 0 and w % GROUPNORM_GROUPS == 0 for w in value):
+        return expected
+
+
+def store_short_side(value, config, device_count):
+    if not is_int(value) or value < 1:
+        return "a positive integer"
+    if is_int(config.get("image_size")) and value < config.image_size:
+        return (
+            f"an integer >= config.image_size={config.image_size} (a smaller store would "
+            "upsample every crop from a downscaled image)"
+        )
+
+
+# rho's bound. The published radii are 0.01-0.1 (SAM, GSAM, SAGM) and up to 2 for
+# ASAM's scaled perturbation; far above them the perturbed point says nothing of the
+# loss near the weights (rho=1e9 trains to chance), so it is an error, not a warning.
+RHO_MAX = 10.0
+
+
+def rho(value, config, device_count):
+    if not is_number(value) or value < 0:
+        return "a number >= 0 (the radius of the perturbation)"
+    if value > RHO_MAX:
+        return (
+            f"a number in [0, {RHO_MAX:g}] (the radius of the perturbation; published "
+            "radii are 0.01-0.1, ASAM's up to 2)"
+        )
+    if value == 0 and config.get("algorithm") in rule_names("head"):  # rho 0 is not them
+        return f"a number > 0: with rho 0, algorithm={config.algorithm} does not perturb"
+
+
+# A ResNet halves its input five times (stem, max pool, three strided stages): below
+# 32 px its last stage sees less than one pixel.
+RESNET_STRIDE = 32
+
+
+def image_size(value, config, device_count):
+    if not is_int(value) or value < 1:
+        return "a positive integer"
+    if config.get("arch") in RESNET_ARCHS and value < RESNET_STRIDE:
+        return (
+            f"an integer >= {RESNET_STRIDE} (config.arch={config.arch} downsamples its input "
+            f"{RESNET_STRIDE} times; the paper uses 224)"
+        )
+
+
+def swad_tolerance(value, config, device_count):
+    converge = config.get("swad_n_converge")
+    if not is_int(value) or value < 1:
+        return "a positive integer"
+    if is_int(converge) and value < converge:
+        return f"an integer >= config.swad_n_converge={converge} (SWAD's window holds it)"
+
+
+def num_devices(value, config, device_count):
+    if not is_int(value) or value < 0:
+        return "an integer >= 0 (0 = every device)"
+    if device_count is not None and value > device_count:
+        return f"at most the {device_count} device(s) JAX sees (0 = all of them)"
