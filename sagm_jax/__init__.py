@@ -51,16 +51,17 @@ __all__ = [
 
 
 def load_run(workdir: str, which="best"):
-    """A trained run's ``(model, variables, record)``: see :func:`sagm_jax.training.train.load_run`
-    (imported on first use, so the optimizers alone stay light)."""
-    from sagm_jax.training.train import load_run as load
+    """A trained run's ``(model, variables, record)``: see
+    :func:`sagm_jax.training.loading.load_run` (imported on first use, so the optimizers
+    alone stay light)."""
+    from sagm_jax.training.loading import load_run as load
 
     return load(workdir, which)
 
 
 def preprocess(workdir: str, images):
     """``images`` as the run in ``workdir`` evaluates them: see
-    :func:`sagm_jax.training.train.preprocess` (imported on first use, as ``load_run``)."""
-    from sagm_jax.training.train import preprocess as prepare
+    :func:`sagm_jax.training.loading.preprocess` (imported on first use, as ``load_run``)."""
+    from sagm_jax.training.loading import preprocess as prepare
 
     return prepare(workdir, images)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from sagm_jax import methods
+from sagm_jax.training import loading
 from sagm_jax.training import train
 
 from run_fixtures import digits_config
@@ -23,7 +24,7 @@ SHORT = dict(irm_penalty_anneal_iters=2, vrex_penalty_anneal_iters=2, mldg_n_met
 
 
 def _params(workdir):
-    return jax.tree.leaves(train.load_run(str(workdir), "latest")[1]["params"])
+    return jax.tree.leaves(loading.load_run(str(workdir), "latest")[1]["params"])
 
 
 @pytest.mark.slow
