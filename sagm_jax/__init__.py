@@ -1,24 +1,25 @@
 """sagm_jax: Sharpness-Aware Gradient Matching (SAGM) and its baselines in JAX.
 
-Sub-packages and modules, each owning one part:
-  optimizers   SAGM, SAM and GSAM (and DISAM's ascent) as optax transformations; the
-               paper's optimizer.
-  methods      the one table of objectives and update rules (labels, hyperparameters).
-  objectives   ERM, Mixup, CutMix, CORAL, MMD, GroupDRO, IRM, VREx: the step's loss.
-  procedures   Fish, AND-mask, MLDG: updates from per-domain gradients.
-  swad, averaging, swad_run
-               SWAD: the loss valley, the weight averages, SWAD in a run.
-  hparams      DomainBed's random hyperparameter search.
-  sharpness    local sharpness h_rho (the paper's Figure 3).
-  models       Flax ResNets with torchvision weights, DomainBed's MNIST CNN, MixStyle.
-  data         DomainBed datasets, splits and input pipelines.
-  rundir       the run directory: its file names, records and readers, ``find_runs``.
-  sweep        ``python -m sagm_jax.sweep``: a grid of runs, each run exactly once.
-  collect_results, sharpness_curves
-               ``python -m``: a sweep's result tables; its local sharpness curves.
-  train        the training program (train_step, rundir, checkpoints, evaluation);
-               ``load_run(workdir, which="best")`` gives a trained run's model,
-               ``preprocess(workdir, images)`` its input.
+Sub-packages, one per part:
+  methods   every method: the registries of objectives and update rules
+            (``registry``), the objectives, the sharpness-aware update rules (SAGM,
+            SAM, GSAM, DISAM's ascent as optax transforms; the paper's optimizer) and
+            the procedures (Fish, AND-mask, MLDG), each registered beside its code.
+  swad      SWAD: the loss valley, the weight averages on the device, SWAD in a run.
+  training  one run: the train state and step, the training program, evaluation,
+            checkpoints, the run directory, its summary, ``load_run``/``preprocess``.
+  results   model selection, the result tables, the local sharpness and its curves.
+  sweep     ``python -m sagm_jax.sweep``: a grid of runs, DomainBed's random search.
+  models    Flax ResNets with torchvision weights, DomainBed's MNIST CNN, MixStyle.
+  data      DomainBed datasets, splits, the stores and input pipelines.
+  config    every config field and its checks.
+Modules: ``main`` and ``cli`` (the command line), ``collect_results`` and
+``sharpness_curves`` (``python -m`` commands of ``results``), ``claims``, ``cpu``,
+``formatting``.
+
+The public API below: the optax transforms and the paper's optimizer, the feature
+penalties, SWAD's segment selection, local sharpness, DomainBed's random search and a
+trained run's model and inputs (the last two imported on first use).
 """
 
 from sagm_jax.methods.update_rules import (
@@ -32,7 +33,9 @@ from sagm_jax.methods.update_rules import (
     sagm,
     sam,
 )
+from sagm_jax.methods.objectives import coral_penalty, mmd_penalty
 from sagm_jax.results.sharpness import sharpness
+from sagm_jax.swad.valley import select_segments
 
 __all__ = [
     "ALGORITHMS",
@@ -45,22 +48,36 @@ __all__ = [
     "sagm",
     "sam",
     "sharpness",
+    "coral_penalty",
+    "mmd_penalty",
+    "select_segments",
+    "random_hparams",
     "load_run",
     "preprocess",
 ]
 
 
 def load_run(workdir: str, which="best"):
-    """A trained run's ``(model, variables, record)``: see :func:`sagm_jax.training.train.load_run`
-    (imported on first use, so the optimizers alone stay light)."""
-    from sagm_jax.training.train import load_run as load
+    """A trained run's ``(model, variables, record)``: see
+    :func:`sagm_jax.training.loading.load_run` (imported on first use, so the optimizers
+    alone stay light)."""
+    from sagm_jax.training.loading import load_run as load
 
     return load(workdir, which)
 
 
 def preprocess(workdir: str, images):
     """``images`` as the run in ``workdir`` evaluates them: see
-    :func:`sagm_jax.training.train.preprocess` (imported on first use, as ``load_run``)."""
-    from sagm_jax.training.train import preprocess as prepare
+    :func:`sagm_jax.training.loading.preprocess` (imported on first use, as ``load_run``)."""
+    from sagm_jax.training.loading import preprocess as prepare
 
     return prepare(workdir, images)
+
+
+def random_hparams(algorithm: str, dataset: str, hparams_seed: int, trial_seed: int,
+                   objective: str = "erm", disam_lambda: float = 0.0) -> dict:
+    """DomainBed's random search: see :func:`sagm_jax.sweep.hparams.random_hparams`
+    (imported on first use, as ``load_run``)."""
+    from sagm_jax.sweep.hparams import random_hparams as draw
+
+    return draw(algorithm, dataset, hparams_seed, trial_seed, objective, disam_lambda)

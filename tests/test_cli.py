@@ -296,7 +296,7 @@ def test_a_misspelt_key_gets_did_you_mean():
 
 def test_the_summary_labels_environments_as_the_tables_do(capsys):
     from sagm_jax.results import collect as collect_results
-    from sagm_jax.training import train
+    from sagm_jax.training import summary
 
     records = []
     for step, accs in ((0, [0.1, 0.5, 0.5]), (10, [0.25, 0.8, 0.9])):
@@ -304,11 +304,11 @@ def test_the_summary_labels_environments_as_the_tables_do(capsys):
         for env, acc in enumerate(accs):
             record[f"env{env}_in_acc"], record[f"env{env}_out_acc"] = acc, acc * (env > 0)
         records.append(record)
-    train.print_summary(records, [0], ["0", "15", "30"])
+    summary.print_summary(records, [0], ["0", "15", "30"])
     out = capsys.readouterr().out
     assert "env0 0° (test)" in out and "env1 15° (train)" in out and "env0 0 (test)" not in out
     assert out.rstrip().endswith("env0 0° 25.0%")
-    train.print_summary(records[:1], [0], None)  # no names: the index alone
+    summary.print_summary(records[:1], [0], None)  # no names: the index alone
     assert "env0 (test)" in capsys.readouterr().out
     # The tables' header for the same environments.
     ood = type("Sweep", (), {"test_envs": {"RotatedDigits": [0, 1]}, "methods": []})()

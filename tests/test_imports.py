@@ -159,3 +159,21 @@ def test_the_graph_sees_every_kind_of_import(tmp_path):
 def test_a_cycle_is_printed_as_a_path_back_to_its_start():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set()}
     assert cycles(graph) == [["a", "b", "c", "a"]]
+
+
+def test_the_public_api_is_at_the_top_level():
+    import sagm_jax
+    from sagm_jax.methods import objectives, update_rules
+    from sagm_jax.sweep import hparams
+    from sagm_jax.swad import valley
+
+    for name in ("sagm", "sam", "gsam", "paper_optimizer"):
+        assert getattr(sagm_jax, name) is getattr(update_rules, name)
+    assert (sagm_jax.coral_penalty, sagm_jax.mmd_penalty) == (
+        objectives.coral_penalty, objectives.mmd_penalty
+    )
+    assert sagm_jax.select_segments is valley.select_segments
+    assert sagm_jax.random_hparams("sagm", "PACS", 3, 1, "coral") == hparams.random_hparams(
+        "sagm", "PACS", 3, 1, "coral"
+    )
+    assert set(sagm_jax.__all__) >= {"sharpness", "load_run", "preprocess", "random_hparams"}

@@ -31,8 +31,8 @@ import numpy as np
 
 import sagm_jax.data
 from sagm_jax.training import evaluation
+from sagm_jax.training import loading
 from sagm_jax.training import rundir
-from sagm_jax.training import train
 from sagm_jax.cli import quiet_tensorflow_import
 from sagm_jax.methods.registry import method_label
 from sagm_jax.results.sharpness import sharpness
@@ -58,9 +58,9 @@ def finished_runs(input_dir: str) -> list[str]:
 
 def restore_run(workdir: str, checkpoint: str):
     """The run's config, dataset, model, variables and the step of its checkpoint
-    (``train.load_run``: the optimizer is not rebuilt, so per-device runs load too)."""
+    (``loading.load_run``: the optimizer is not rebuilt, so per-device runs load too)."""
     config = ml_collections.ConfigDict(rundir.read_config(workdir))
-    model, variables, record = train.load_run(workdir, which=checkpoint)
+    model, variables, record = loading.load_run(workdir, which=checkpoint)
     return config, sagm_jax.data.from_config(config), model, variables, record["step"]
 
 

@@ -10,6 +10,7 @@ save. The parts live in their own modules:
   checkpoints   one orbax manager keeping the latest and the best checkpoint
   evaluation    the evaluator: ``env{i}_{part}_acc`` of a state
   train_step    the step, and the one place that decides the data-parallel mode
+  summary       what a run prints when it ends: the selected step's accuracies
 
 Steps follow DomainBed: update ``t = 0 .. steps-1``; after update ``t`` the run
 evaluates when ``t % eval_every == 0`` or ``t == steps - 1`` and appends a record
@@ -25,7 +26,7 @@ exists) and a finished one relaunched first check that the data and split are th
 ``split.json`` (which only a run starting at step 0 writes) and that ``results.jsonl``
 holds every evaluation before the restored step (``rundir.check_steps``).
 
-``load_run(workdir, which)`` gives a finished run's model, variables and record.
+Reading a finished run back (``load_run``, ``preprocess``) is ``loading``'s.
 """
 
 from __future__ import annotations
@@ -47,14 +48,8 @@ from sagm_jax import formatting, models
 from sagm_jax.swad import averages as averaging
 from sagm_jax.methods import objectives
 from sagm_jax.swad import valley as swad
-from sagm_jax.training.checkpoints import (
-    Checkpoints,
-    restore_swad_variables,
-    restore_variables,
-    saved_steps,
-)
+from sagm_jax.training.checkpoints import Checkpoints
 from sagm_jax.config import section, validate
-from sagm_jax.data import device_augment, registry
 from sagm_jax.data.pipeline import prefetch_to_mesh
 from sagm_jax.data.splits import check_split_record
 from sagm_jax.training.evaluation import Evaluator
@@ -69,20 +64,18 @@ from sagm_jax.training.rundir import (
     evaluation_interval,
     is_evaluation_step,
     make_record,
-    read_config,
     read_records,
     read_run_info,
     read_swad_record,
 )
 from sagm_jax.results.selection import training_domain_validation, validation_accuracy
 from sagm_jax.swad.run import SwadRun
+from sagm_jax.training.summary import markdown_test_accuracies, print_summary
 from sagm_jax.training.train_step import create_train_state, data_parallel_train_step
 
 __all__ = [
     "DONE",
     "RESULTS",
-    "load_run",
-    "preprocess",
     "read_records",
     "train_and_evaluate",
     "train_one_run",
@@ -356,80 +349,6 @@ def _stop_non_finite(workdir, step, loss, checkpoints: Checkpoints):
     )
 
 
-def load_run(workdir: str, which: str | int = "best"):
-    """A trained run, for inference or analysis: ``(model, variables, record)``.
-
-    ``which``: ``"best"`` (the step training-domain validation selects, as the summary
-    and the tables do), ``"latest"``, a step number of a kept checkpoint, or ``"swad"``
-    (a SWAD run's averaged model, with its swad.jsonl record). ``model``
-    is the Flax module, ``variables`` its ``{'params', 'batch_stats'}``; apply it as
-    ``model.apply(variables, images_nhwc, train=False)`` to images prepared as the run's
-    evaluation prepares them. ``record`` is the results.jsonl record of that step.
-    Nothing of the optimizer is rebuilt, so any run (any algorithm, per-device
-    perturbation included) loads the same way.
-    """
-    config = ml_collections.ConfigDict(read_config(workdir))
-    info = read_run_info(workdir)
-    records = read_records(workdir)
-    if which == "swad":
-        model = models.from_config(
-            config, info["num_classes"], info["input_shape"], jax.random.key(0), pretrained=False
-        )[0]
-        return model, restore_swad_variables(workdir), read_swad_record(workdir)
-    if which == "best":
-        step = training_domain_validation(records, config.test_envs)["step"]
-    elif which == "latest":
-        step = max(saved_steps(workdir), default=None)
-    else:
-        step = int(which)
-    if step is None:
-        raise FileNotFoundError(f"{workdir} holds no checkpoint.")
-    model = models.from_config(
-        config, info["num_classes"], info["input_shape"], jax.random.key(0), pretrained=False
-    )[0]
-    record = next((r for r in records if r["step"] == step), None)
-    return model, restore_variables(workdir, step), record
-
-
-def preprocess(workdir: str, images) -> np.ndarray:
-    """``images`` as the run's evaluation prepares them: the float32 batch
-    ``model.apply(variables, batch, train=False)`` takes (``load_run``).
-
-    Image-folder runs take PIL images, image files or uint8 RGB arrays ``[H, W, 3]`` of
-    any size (a list, or one array ``[N, H, W, 3]``): each is resized whole to the run's
-    input size (``run_info.json``'s ``input_shape``, from ``config.image_size``) with
-    PIL's bilinear resize, as the run's evaluation images were, then scaled to [0, 1]
-    and normalised with ImageNet's mean and std. MNIST-like runs take arrays of their
-    input shape, float in [0, 1] as the dataset stores them, or uint8 (scaled by 1/255).
-    """
-    info = read_run_info(workdir)
-    shape = tuple(info["input_shape"])
-    if registry.get_spec(info["dataset"]).kind == "folder":
-        batch = np.stack([_evaluation_image(image, shape[0]) for image in images])
-        batch = batch.astype(np.float32) / 255.0
-        mean = np.asarray(device_augment.IMAGENET_MEAN, np.float32)
-        return (batch - mean) / np.asarray(device_augment.IMAGENET_STD, np.float32)
-    batch = np.asarray(images)
-    if batch.shape[1:] != shape:
-        raise ValueError(
-            f"{workdir} was trained on {info['dataset']} images of shape {shape}; "
-            f"got a batch of shape {batch.shape}."
-        )
-    return batch.astype(np.float32) / (255.0 if batch.dtype == np.uint8 else 1.0)
-
-
-def _evaluation_image(image, size: int) -> np.ndarray:
-    """uint8 ``[size, size, 3]``: an image folder's evaluation image (``data.store``)."""
-    from PIL import Image
-
-    if isinstance(image, (str, os.PathLike)):
-        with Image.open(image) as opened:
-            image = opened.convert("RGB")
-    elif not isinstance(image, Image.Image):
-        image = Image.fromarray(np.asarray(image, np.uint8)).convert("RGB")
-    return np.asarray(image.convert("RGB").resize((size, size), Image.BILINEAR))
-
-
 class _NoTensorBoard:
     """Stands in for clu's writer where TensorFlow (which clu's writer needs) is not
     installed: results.jsonl and the progress bar carry the same numbers."""
@@ -453,87 +372,6 @@ def _metric_writer(workdir: str, is_main: bool):
     return metric_writers.create_default_writer(workdir, just_logging=not is_main)
 
 
-def print_summary(records: list[dict], test_envs, env_names=None, swad_record=None) -> None:
-    """The step chosen by training-domain validation and its accuracy (%) per environment
-    and split part, as the result tables show accuracies; with ``swad_record``, the SWAD
-    model's beside them. A part the records do not hold (the training environments' 'in'
-    parts with ``config.eval_splits="fast"``, which evaluates only what model selection
-    reads) shows "-", and a line below the table says why."""
-    if not records:
-        print("No evaluation records.")
-        return
-    chosen = training_domain_validation(records, test_envs)
-    envs = sorted({int(k[3:].split("_")[0]) for k in chosen if k.startswith("env")})
-    parts = [p for p in ("in", "out", "test") if any(f"env{e}_{p}_acc" in chosen for e in envs)]
-    # The index (what config.test_envs takes), then the name as the result tables show it.
-    dataset = records[-1].get("args", {}).get("dataset")
-    labels = {e: registry.env_label(dataset, e, env_names) for e in envs}
-    names = {e: f"env{e}" + (f" {labels[e]}" if env_names else "") for e in envs}
-    width = max(len(n) for n in names.values()) + 8
-    print(
-        f"Selected step {chosen['step']} by training-domain validation (mean 'out' accuracy "
-        f"of the training environments {100 * chosen['validation_acc']:.1f}%):"
-    )
-    columns = [(chosen, p, f"{p} %") for p in parts]
-    if swad_record is not None:
-        columns += [(swad_record, p, f"SWAD {p} %") for p in parts]
-    print("  " + "environment".ljust(width) + "".join(f"{c[2]:>11}" for c in columns))
-    missing = set()
-    for e in envs:
-        label = f"{names[e]} ({'test' if e in test_envs else 'train'})"
-        cells = []
-        for r, p, _ in columns:
-            if f"env{e}_{p}_acc" in r:
-                cells.append(f"{100 * r[f'env{e}_{p}_acc']:>11.1f}")
-            else:
-                cells.append(f"{'-':>11}")
-                missing.add((e, p))
-        print("  " + label.ljust(width) + "".join(cells))
-    if missing:
-        print(_missing_parts_note(missing, envs, test_envs, records[-1]))
-    tests = ", ".join(f"{names[e]} {100 * chosen[f'env{e}_in_acc']:.1f}%" for e in test_envs)
-    print(f"Test accuracy ('in' split of the test environment): {tests}")
-    if swad_record is not None:
-        swad = ", ".join(f"{names[e]} {100 * swad_record[f'env{e}_in_acc']:.1f}%" for e in test_envs)
-        info = swad_record["swad"]
-        print(
-            f"SWAD test accuracy: {swad} (the mean of {info['segments']} segments, steps "
-            f"{info['first_step']}-{info['last_step']})"
-        )
-
-
-def _missing_parts_note(missing: set, envs, test_envs, record: dict) -> str:
-    """Why the summary shows "-": with ``eval_splits="fast"`` the training environments'
-    'in' parts are not evaluated; anything else (records without a config among them) is
-    named as not in the records."""
-    train_in = {(e, "in") for e in envs if e not in test_envs}
-    eval_splits = record.get("config", {}).get("eval_splits")
-    if missing <= train_in and eval_splits == "fast":
-        return (
-            "  - : training environments' 'in' parts are not evaluated (config.eval_splits="
-            "fast; --config.eval_splits=all evaluates every part)"
-        )
-    parts = ", ".join(f"env{e} '{p}'" for e, p in sorted(missing))
-    return f"  - : not in the records: {parts}"
-
-
-def _test_accuracy_table(config, env_names, accuracies: dict) -> str:
-    """The markdown table of one test accuracy per environment and their average."""
-    average = 100 * np.mean(list(accuracies.values()))
-    return "\n".join(
-        [
-            f"{config.dataset} / {config.algorithm}, test accuracy (training-domain "
-            f"validation), % (the 'in' split of each test environment):",
-            "",
-            "| " + " | ".join(["test environment", *env_names, "Avg"]) + " |",
-            "|---|" + ":-:|" * (len(env_names) + 1),
-            "| accuracy | "
-            + " | ".join(f"{100 * a:.1f}" for a in accuracies.values())
-            + f" | {average:.1f} |",
-        ]
-    )
-
-
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Any:
     """Runs ``config.test_envs``, or every environment in turn with ``config.all_test_envs``
     (then prints the table of test accuracies and writes it to ``workdir/results.md``).
@@ -553,7 +391,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Any:
             env_config.test_envs, env_config.all_test_envs = (env,), False
             records = train_one_run(env_config, os.path.join(workdir, f"test_env{env}"))
             result[env] = training_domain_validation(records, [env])[f"env{env}_in_acc"]
-        table = _test_accuracy_table(config, env_names, result)
+        table = markdown_test_accuracies(config, env_names, result)
         if is_main:
             with open(os.path.join(workdir, "results.md"), "w") as f:
                 f.write(table + "\n")

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from sagm_jax import methods
+from sagm_jax.training import loading
 from sagm_jax.training import train
 
 from run_fixtures import digits_config
@@ -23,7 +24,7 @@ SHORT = dict(irm_penalty_anneal_iters=2, vrex_penalty_anneal_iters=2, mldg_n_met
 
 
 def _params(workdir):
-    return jax.tree.leaves(train.load_run(str(workdir), "latest")[1]["params"])
+    return jax.tree.leaves(loading.load_run(str(workdir), "latest")[1]["params"])
 
 
 @pytest.mark.slow
@@ -64,7 +65,7 @@ def test_a_method_on_eight_devices_is_the_one_device_run(tmp_path, method):
 
 
 class Killed(Exception):
-    """Stands for a SIGKILL in the middle of a run (tests/test_train.py kills for real)."""
+    """Stands for a SIGKILL in the middle of a run (tests/training/test_train.py kills for real)."""
 
 
 def _stop_before(step_to_stop, monkeypatch):
@@ -90,7 +91,7 @@ def _stop_before(step_to_stop, monkeypatch):
         # The state beyond the optimizer's: GroupDRO's q (under a head, with DISAM and
         # Mixup's draws), IRM's Adam restart on the first step after the resume, Fish's
         # persistent inner Adam. Random draws (Mixup's, MLDG's permutation) are functions
-        # of (seed, step), as dropout's, which tests/test_train.py resumes.
+        # of (seed, step), as dropout's, which tests/training/test_train.py resumes.
         dict(objective="groupdro", algorithm="sagm", disam_lambda=0.5),
         dict(objective="irm", algorithm="erm", irm_penalty_anneal_iters=3),
         dict(algorithm="fish"),

@@ -1,11 +1,12 @@
 """SWAD in a run (sagm_jax.swad.run, sagm_jax.swad.averages): the averaged model is the mean of
 the per-step weights over the valley's segments, the valley's end stops the run, and
-load_run gives the SWAD model; tests/test_train.py kills and resumes a SWAD run."""
+load_run gives the SWAD model; tests/training/test_train.py kills and resumes a SWAD run."""
 
 import jax
 import numpy as np
 import pytest
 
+from sagm_jax.training import loading
 from sagm_jax.training import rundir
 from sagm_jax.swad import valley as swad
 from sagm_jax.swad import run as swad_run
@@ -62,7 +63,7 @@ def test_the_swad_model_is_the_mean_of_the_steps_over_the_valleys_segments(tmp_p
     expected = jax.tree.map(
         lambda *p: np.mean(np.stack(p), 0), *[segment_means[k] for k in segments]
     )
-    model, variables, record = train.load_run(str(tmp_path), which="swad")
+    model, variables, record = loading.load_run(str(tmp_path), which="swad")
     for got, want in zip(jax.tree.leaves(variables["params"]), jax.tree.leaves(expected)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert record["swad"]["segments"] == len(segments)
@@ -116,7 +117,7 @@ def test_trainable_batchnorm_statistics_are_recomputed_for_the_averaged_weights(
         steps=2, swad_batchnorm_batches=2, **dict(SWAD, swad_eval_every=1),
     )
     train.train_and_evaluate(config, str(tmp_path))
-    _, variables, _ = train.load_run(str(tmp_path), which="swad")
+    _, variables, _ = loading.load_run(str(tmp_path), which="swad")
     kernel = np.asarray(variables["params"]["conv1"]["kernel"], np.float64)
     dataset = data_lib.from_config(config)
     batches = dataset.train_iterator(range(1, 6), seed=0, batch_per_env=8, start_step=2)

@@ -15,20 +15,21 @@ import pytest
 from PIL import Image
 
 from sagm_jax import models
+from sagm_jax.training import loading
 from sagm_jax.training import rundir
 from sagm_jax.training import train
-from sagm_jax.data import decode, device_augment
 from sagm_jax.config import base_config, mnist_config
 from sagm_jax.models import synthetic
 
 from run_fixtures import digits_config, tiny_folder_config, write_image_tree
+from test_summary import summary_record
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The tests that train real runs are marked slow: left out of `pytest -m "not slow"`.
 
 
 def restore_params(workdir, which="latest"):
-    return train.load_run(str(workdir), which)[1]["params"]
+    return loading.load_run(str(workdir), which)[1]["params"]
 
 
 @pytest.mark.slow
@@ -50,7 +51,7 @@ def test_rotated_digits_end_to_end(tmp_path):
         assert os.path.exists(tmp_path / name), name
     assert any(n.startswith("events.out.tfevents") for n in os.listdir(tmp_path))
     # Checkpoints are named by record steps: the latest (4) and the selected one.
-    best = train.load_run(str(tmp_path), "best")[2]["step"]
+    best = loading.load_run(str(tmp_path), "best")[2]["step"]
     assert sorted(map(int, os.listdir(tmp_path / "checkpoints"))) == sorted({best, 4})
     # A finished run is not trained again.
     again = train.train_and_evaluate(digits_config(), str(tmp_path))
@@ -231,8 +232,8 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path, dataset
     ):
         np.testing.assert_array_equal(a, b)
     if dataset.endswith("swad"):
-        whole_swad = train.load_run(str(tmp_path / "whole"), "swad")
-        killed_swad = train.load_run(str(killed), "swad")
+        whole_swad = loading.load_run(str(tmp_path / "whole"), "swad")
+        killed_swad = loading.load_run(str(killed), "swad")
         for a, b in zip(jax.tree.leaves(whole_swad[1]), jax.tree.leaves(killed_swad[1])):
             np.testing.assert_array_equal(a, b)
         assert {k: v for k, v in whole_swad[2].items() if k != "args"} == {
@@ -313,29 +314,6 @@ def test_an_empty_split_part_is_refused_before_anything_is_written(tmp_path):
     with pytest.raises(ValueError, match=r"Empty split parts: env0 \(art\) 'out'.*holdout_fraction"):
         train.train_and_evaluate(config, str(tmp_path / "run"))
     assert not os.path.exists(tmp_path / "run")
-
-
-@pytest.mark.slow
-def test_load_run_gives_the_selected_checkpoint_and_its_recorded_accuracy(tmp_path):
-    """Checkpoints are numbered by record steps, "best" is the step the summary selects,
-    and the loaded model reproduces that record's accuracy, counted here directly."""
-    from sagm_jax import data as data_lib
-    from sagm_jax.results.selection import training_domain_validation
-
-    config = digits_config(steps=7, eval_every=2, lr=3e-3)
-    records = train.train_and_evaluate(config, str(tmp_path))
-    selected = training_domain_validation(records, [0])["step"]
-    model, variables, record = train.load_run(str(tmp_path), "best")
-    assert record["step"] == selected
-    assert train.load_run(str(tmp_path), "latest")[2]["step"] == 6
-    dataset = data_lib.load("RotatedDigits", None, trial_seed=0, data_seed=0)
-    assert "env1_in_acc" not in record  # eval_splits="fast": a training env's 'in'
-    for env, part in ((0, "in"), (0, "out"), (1, "out")):
-        k = dataset.splits[env][part]
-        images = dataset.source.images[env][k]
-        logits = model.apply(variables, np.asarray(images, np.float32), train=False)
-        correct = int(np.sum(np.asarray(np.argmax(logits, -1)) == dataset.source.labels[env][k]))
-        assert correct / len(k) == record[f"env{env}_{part}_acc"]
 
 
 @pytest.mark.slow
@@ -448,69 +426,6 @@ def test_a_failed_start_leaves_no_workdir_behind(tmp_path):
 # What the program prints and writes around runs, without training (fast).
 
 
-def summary_record(step, accs, test_env):
-    """A record whose 'out' accuracy is ``accs`` but 0 for ``test_env``; 'in' is ``accs``."""
-    r = {"step": step}
-    for env, acc in enumerate(accs):
-        r[f"env{env}_in_acc"] = acc
-        r[f"env{env}_out_acc"] = acc if env != test_env else 0.0
-    return r
-
-
-def test_summary_is_in_percent_with_the_selected_step(capsys):
-    records = [summary_record(0, [0.1, 0.5, 0.5], 0), summary_record(10, [0.25, 0.8, 0.9], 0)]
-    train.print_summary(records, [0], ["art", "photo", "sketch"])
-    out = capsys.readouterr().out
-    assert "Selected step 10 by training-domain validation" in out and "85.0%" in out
-    assert "env0 art (test)" in out and "25.0" in out and "90.0" in out
-    assert "Test accuracy ('in' split of the test environment): env0 art 25.0%" in out
-
-
-def test_summary_of_fast_records_shows_a_dash_and_says_why(capsys):
-    """eval_splits="fast" records lack the training environments' 'in' parts: their cells
-    are "-", with one line saying why; every number shown is the record's."""
-    records = [summary_record(0, [0.1, 0.5, 0.5], 0), summary_record(10, [0.25, 0.8, 0.9], 0)]
-    for r in records:
-        del r["env1_in_acc"], r["env2_in_acc"]
-        r["config"] = {"eval_splits": "fast"}
-    swad_record = {
-        "env0_in_acc": 0.375,
-        "env0_out_acc": 0.125,
-        "env1_out_acc": 0.625,
-        "env2_out_acc": 0.875,
-        "swad": {"segments": 3, "first_step": 2, "last_step": 10},
-    }
-    train.print_summary(records, [0], ["art", "photo", "sketch"], swad_record)
-    lines = capsys.readouterr().out.splitlines()
-    header = "environment in % out % SWAD in % SWAD out %"
-    assert lines[1].split() == header.split()
-    rows = {line.split("(")[0].strip(): line.split(")")[1].split() for line in lines[2:5]}
-    assert rows == {
-        "env0 art": ["25.0", "0.0", "37.5", "12.5"],
-        "env1 photo": ["-", "80.0", "-", "62.5"],
-        "env2 sketch": ["-", "90.0", "-", "87.5"],
-    }
-    assert lines[5].strip() == (
-        "- : training environments' 'in' parts are not evaluated (config.eval_splits=fast; "
-        "--config.eval_splits=all evaluates every part)"
-    )
-    assert lines[6] == "Test accuracy ('in' split of the test environment): env0 art 25.0%"
-    assert lines[7].startswith("SWAD test accuracy: env0 art 37.5% (the mean of 3 segments")
-    # A part missing for another reason is named as missing, never put down to fast mode.
-    del records[1]["env0_out_acc"]
-    train.print_summary(records[1:], [0], ["art", "photo", "sketch"])
-    out = capsys.readouterr().out
-    assert "  - : not in the records: env0 'out', env1 'in', env2 'in'" in out
-    assert "eval_splits" not in out
-
-
-def test_summary_of_all_split_records_has_no_dash(capsys):
-    records = [summary_record(0, [0.1, 0.5, 0.5], 0), summary_record(10, [0.25, 0.8, 0.9], 0)]
-    train.print_summary(records, [0], ["art", "photo", "sketch"])
-    out = capsys.readouterr().out
-    assert " - " not in out and "not evaluated" not in out and "80.0" in out
-
-
 def test_all_test_envs_prints_the_workdir_once_then_writes_the_table_and_wall_time(
     tmp_path, capsys, monkeypatch
 ):
@@ -537,41 +452,6 @@ def test_all_test_envs_prints_the_workdir_once_then_writes_the_table_and_wall_ti
     assert out.splitlines()[0] == f"Run directory: {tmp_path / 'run'}"
     assert out.count("Run directory:") == 1
     assert out.splitlines()[-1].startswith("Wall time: 0m0")
-
-
-# ---- preprocess: a user's images become the batch the run's evaluation gives its model
-
-
-def write_run_info_of(folder, dataset, input_shape):
-    os.makedirs(folder)
-    info = {"dataset": dataset, "input_shape": input_shape, "class_names": ["a", "b"]}
-    rundir.write_json(os.path.join(folder, rundir.RUN_INFO), info)
-    return str(folder)
-
-
-def test_folder_images_are_resized_to_the_runs_input_and_normalised(tmp_path):
-    workdir = write_run_info_of(tmp_path / "run", "PACS", [32, 32, 3])
-    pixels = np.random.default_rng(0).integers(0, 256, (45, 70, 3), dtype=np.uint8)
-    path = str(tmp_path / "image.png")
-    Image.fromarray(pixels).save(path)
-    # What the run evaluated: the store's evaluation image, normalised on the device.
-    stored = decode.decode_file(path, (45, 70), (45, 70), 32)[1]
-    expected = np.asarray(device_augment.normalize(stored.astype(np.float32) / 255.0))
-    with Image.open(path) as opened:
-        batch = train.preprocess(workdir, [path, pixels, opened])  # a file, an array, PIL's
-    assert batch.shape == (3, 32, 32, 3) and batch.dtype == np.float32
-    for image in batch:
-        np.testing.assert_allclose(image, expected, atol=1e-5)
-
-
-def test_mnist_like_images_keep_their_shape_and_scale(tmp_path):
-    workdir = write_run_info_of(tmp_path / "run", "RotatedDigits", [28, 28, 1])
-    digits = np.random.default_rng(1).integers(0, 256, (2, 28, 28, 1), dtype=np.uint8)
-    np.testing.assert_allclose(train.preprocess(workdir, digits), digits / 255.0, rtol=1e-6)
-    as_stored = digits.astype(np.float32) / 255.0
-    np.testing.assert_array_equal(train.preprocess(workdir, as_stored), as_stored)
-    with pytest.raises(ValueError, match=r"shape \(28, 28, 1\); got a batch of shape"):
-        train.preprocess(workdir, np.zeros((2, 32, 32, 3), np.uint8))
 
 
 # --- a run's data and records are checked when it resumes or is relaunched done -----------
