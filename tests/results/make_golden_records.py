@@ -1,6 +1,6 @@
 """Writes ``golden_records.json``: a synthetic sweep for the collect_results golden test.
 
-Run once (``python tests/collect_results/make_golden_records.py``); the JSON is committed.
+Run once (``python tests/results/make_golden_records.py``); the JSON is committed.
 Accuracies are random (fixed seed) around a per-algorithm level. The sweep covers
 PACS (with ``run_info.json`` env names) and VLCS (without), test environments 0 and 1
 of 4, ERM / SAM / SAGM, trial seeds 0-2, two learning rates, three evaluations per run;

@@ -3,7 +3,7 @@
 Hand-computed cases check each selection rule; the golden files freeze the whole
 report of a synthetic sweep (``golden_records.json``, see make_golden_records.py).
 Regenerate the goldens after an intended change with
-``UPDATE_GOLDEN=1 pytest tests/collect_results/test_collect_results.py``.
+``UPDATE_GOLDEN=1 pytest tests/results/test_collect_results.py``.
 """
 
 import json

@@ -41,7 +41,7 @@ def test_rotated_digits_end_to_end(tmp_path):
     for record in on_disk:
         assert np.isfinite(record["loss"])
         # The default eval_splits="fast": every 'out' part and the test environment's
-        # 'in', not the training environments' 'in' (tests/test_evaluation.py: "all").
+        # 'in', not the training environments' 'in' (tests/training/test_evaluation.py: "all").
         assert record["config"]["eval_splits"] == "fast"
         accuracies = {k for k in record if k.endswith("_acc")}
         assert accuracies == {"env0_in_acc", *(f"env{e}_out_acc" for e in range(6))}
@@ -119,7 +119,7 @@ def test_one_device_and_eight_devices_give_the_same_run(tmp_path):
     # Adam's first step, lr * d / (|d| + eps), turns that into a visible difference only
     # where |d| is itself at rounding level. A per-device perturbation, the likely bug,
     # would change most coordinates. Longer runs drift apart chaotically in float32;
-    # the optimizer alone is compared exactly, in float64, in tests/test_optimizers.py.
+    # the optimizer alone is compared exactly, in float64, in tests/methods/test_update_rules.py.
     agree = np.isclose(one_params, eight_params, rtol=1e-4, atol=1e-6)
     assert agree.mean() > 0.999, agree.mean()
     assert np.max(np.abs(one_params - eight_params)) <= 2 * 1e-3
