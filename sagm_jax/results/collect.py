@@ -3,7 +3,7 @@ selects models (``sagm_jax.results.selection``) and prints the paper's tables in
 
     python -m sagm_jax.collect_results --input_dir sweeps/digits \
         [--selection training_domain|leave_one_out|oracle_last|oracle_best] \
-        [--latex] [--pm +/-] [--winners] [--output FILE]
+        [--latex] [--pm +/-] [--winners] [--strict] [--output FILE]
     python -m sagm_jax.collect_results --top_hparams --input_dir sweeps/digits \
         --dataset RotatedDigits --algorithm "SAGM + CORAL" --test_env 0
 
@@ -44,6 +44,7 @@ from sagm_jax.results.tables import (  # noqa: F401
 )
 from sagm_jax.data.registry import PAPER_DATASETS  # noqa: F401
 
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m sagm_jax.collect_results", description=__doc__.split("\n\n")[0]
@@ -66,6 +67,13 @@ def make_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="After the tables, per dataset, the setting that each cell chose: its "
         "hyperparameters that vary within the cell and its folder.",
+    )
+    parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="Refuse to report when a run is damaged (a lost or repeated record, records "
+        "of neither kind, two runs with the same config and test environments) instead "
+        "of leaving it out and naming it in the notes.",
     )
     top = parser.add_argument_group("--top_hparams (instead of the tables)")
     top.add_argument(
@@ -96,9 +104,11 @@ def main(argv=None) -> int:
         parser.error("--dataset, --algorithm and --test_env go with --top_hparams.")
     try:
         if args.top_hparams:
-            report = top_hparams(args.input_dir, *top_args)
+            report = top_hparams(args.input_dir, *top_args, strict=args.strict)
         else:
-            report = build_report(args.input_dir, args.selection, args.latex, args.pm, args.winners)
+            report = build_report(
+                args.input_dir, args.selection, args.latex, args.pm, args.winners, args.strict
+            )
     except (FileNotFoundError, ValueError) as error:
         print(f"collect_results: {error}", file=sys.stderr)
         return 2

@@ -16,7 +16,13 @@ import json
 from sagm_jax.training import rundir
 from sagm_jax.results import selection
 from sagm_jax.data.registry import env_label
-from sagm_jax.results.records import env_labels, is_domainbed, load_sweep, tie_order
+from sagm_jax.results.records import (
+    env_labels,
+    is_domainbed,
+    load_sweep,
+    recorded_algorithm,
+    tie_order,
+)
 from sagm_jax.results.tables import dataset_order, latex_escape, method_order, render_table
 
 # --- Which setting won ---------------------------------------------------------
@@ -88,19 +94,25 @@ def winners_table(loaded, choices: dict, split: str, dataset: str, env_names, na
 # --- Ranked settings (DomainBed's list_top_hparams) ----------------------------
 
 TOP_HPARAMS_SELECTIONS = ("training_domain", "leave_one_out", "oracle_last")  # DomainBed's
+# The config keys of the method, shown for every setting even where they do not vary.
+METHOD_KEYS = ("algorithm", "objective", "disam_lambda")
 
 
-def top_hparams(input_dir: str, dataset: str, algorithm: str, test_env: int) -> str:
+def top_hparams(
+    input_dir: str, dataset: str, algorithm: str, test_env: int, strict: bool = False
+) -> str:
     """Every setting of ``dataset``, ``algorithm`` and test environment ``test_env``
     ranked as DomainBed's ``list_top_hparams`` ranks them: the number of records, then
     for each selection of :data:`TOP_HPARAMS_SELECTIONS` and each trial seed, the
     settings by validation accuracy, best first (ties as :func:`tie_order`), each with
-    its validation and test accuracy, its hyperparameters sorted by key ("*" marks
-    those that differ between the settings of the trial seed) and its runs' folders.
-    Only finished out-of-domain runs are ranked. ``algorithm`` is a row label
-    ("SAGM + CORAL", "SAGM + SWAD", "ERM (DomainBed)"), or a recorded
-    ``args.algorithm`` ("sagm", DomainBed's "ERM"), which ranks each row of its runs."""
-    loaded = load_sweep(input_dir)
+    its validation and test accuracy, the hyperparameters that differ between the
+    settings of the trial seed (marked "*") and the method's (:data:`METHOD_KEYS`),
+    sorted by key, and its runs' folders. Only finished out-of-domain runs are ranked;
+    runs left out (``records.load_sweep``; ``strict``: an error) are counted and named.
+    ``algorithm`` is a row label ("SAGM + CORAL", "SAGM + SWAD", "ERM (DomainBed)"), or
+    a recorded algorithm (our ``config.algorithm`` "sagm", DomainBed's ``args.algorithm``
+    "ERM"), which ranks each row of its runs."""
+    loaded = load_sweep(input_dir, strict)
     rows = rows_of(loaded.groups, dataset, algorithm, test_env)
     names = env_labels(loaded.finished, input_dir).get(dataset)
     lines = [
@@ -109,8 +121,12 @@ def top_hparams(input_dir: str, dataset: str, algorithm: str, test_env: int) -> 
         "ranked)" + (f"; {len(loaded.swad)} of them with a SWAD record" if loaded.swad else ""),
         f"Dataset {dataset}, test environment {env_label(dataset, test_env, names)}, "
         f"rows: {', '.join(rows)}",
-        "hparams marked * differ between the settings of their trial seed.",
+        "hparams: those marked * differ between the settings of their trial seed (the "
+        "others shown are the method's; the rest are the same in every setting).",
     ]
+    if loaded.left_out:
+        left_out = "; ".join(f"{path}: {why}" for path, why in loaded.left_out)
+        lines.insert(2, f"Left out (not ranked; --strict refuses them): {left_out}")
     for row in rows:
         lines += row_ranking(loaded, dataset, row, test_env)
     return "\n".join(lines) + "\n"
@@ -123,13 +139,12 @@ def rows_of(groups: dict, dataset: str, algorithm: str, test_env: int) -> list[s
     if not ood:
         datasets = sorted({g[1] for g in groups if g[0] == "domainbed"}, key=dataset_order)
         raise ValueError(
-            f"--dataset {dataset}: no finished out-of-domain runs; datasets: "
-            f"{', '.join(datasets)}."
+            f"--dataset {dataset}: no finished out-of-domain runs; datasets: {', '.join(datasets)}."
         )
     labels = sorted({g[2] for g in ood}, key=method_order)
-    recorded = collections.defaultdict(set)  # row -> its runs' args.algorithm
+    recorded = collections.defaultdict(set)  # row -> its runs' recorded algorithms
     for (_, _, row, _, _), settings in ood.items():
-        recorded[row] |= {next(iter(r.values()))[0]["args"]["algorithm"] for r in settings.values()}
+        recorded[row] |= {recorded_algorithm(next(iter(r.values()))[0]) for r in settings.values()}
     rows = [algorithm] if algorithm in labels else [r for r in labels if algorithm in recorded[r]]
     if not rows:
         names = sorted(set().union(*recorded.values()))
@@ -171,15 +186,16 @@ def row_ranking(loaded, dataset: str, row: str, test_env: int) -> list[str]:
 
 
 def setting_lines(rank, choice, runs, hparams, varying, paths) -> list[str]:
-    """One ranked setting: its accuracies (and ``args.hparams_seed``), hyperparameters
-    (``*`` where they vary) and the folders of its runs (``paths``: ``{test_envs: path}``),
-    the single run first."""
+    """One ranked setting: its accuracies (and ``args.hparams_seed``), the
+    hyperparameters that vary (marked ``*``) and the method's (:data:`METHOD_KEYS`), and
+    the folders of its runs (``paths``: ``{test_envs: path}``), the single run first."""
     seed = next(iter(runs.values()))[0]["args"].get("hparams_seed")
     head = f"    {rank}. val_acc {choice['val_acc']:.4f}, test_acc {choice['test_acc']:.4f}"
     lines = [head + (f" (hparams_seed {seed})" if seed is not None else ""), "        hparams:"]
     lines += [
         f"        {'*' if k in varying else ' '} {k}: {v}"
         for k, v in sorted(hparams.items())
+        if k in varying or k in METHOD_KEYS
     ]
     lines.append("        output_dirs:")
     lines += [

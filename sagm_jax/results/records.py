@@ -11,15 +11,24 @@ or its last record is step ``args.steps - 1`` (5000 when ``steps`` is unset). A 
 killed while it wrote a record keeps its records but the torn last line (dropped with
 a warning, as a resumed run drops it); without ``done`` it is listed as incomplete.
 Our runs' records are checked against their config's evaluation steps as they are read
-(``rundir.check_steps``): a lost or repeated record is an error naming the file and the
-steps, never a table built on it; DomainBed's records (no config) are not checked so.
+(``rundir.check_steps``); DomainBed's records (no config) are not checked so. A damaged
+run (a lost or repeated record, a line that is not a record, records of neither kind, a
+SWAD record without its keys, or a second run with the same setting and test
+environments) never enters a table: it is left out and named with the reason
+(:func:`load_sweep`'s ``left_out``), or, with ``strict``, it is an error naming the file.
+Two runs of one setting and test environments are told apart by their data: the dataset
+fingerprint of their ``split.json`` (``data_dir`` is no hyperparameter, so the same
+config on other data is named as such, not as a duplicate). A run with ``done`` and no
+records lost them (``lost``), which the report says; it is not a job that never started.
 
 Grouping (DomainBed's ``reporting.get_grouped_records``): a run's records join the
 group (split, dataset, method, trial_seed, t) for each of its test environments t.
 The METHOD is ``methods.method_label(objective, algorithm, disam_lambda)`` ("SAGM",
 "ERM + Mixup", "CORAL", "DISAM on SAGM + CORAL"; records without ``objective`` or
 ``disam_lambda``, written before they existed, are erm and 0), plus " + MixStyle" when
-``config.mixstyle``. Rows follow the paper's order
+``config.mixstyle``, read from the config (:func:`method_of`): ``args.algorithm`` holds
+the label DomainBed's collector shows (``rundir.record_algorithm``), and held the update
+rule in records written before. Rows follow the paper's order
 (:data:`sagm_jax.results.tables.ROW_ORDER`). Inside a group, a hyperparameter
 SETTING is the run's whole config except ``test_envs`` and ``all_test_envs``, so the single run (t,) and the pair runs (t, v) of one setting
 meet, which leave-one-domain-out needs. Runs without ``done`` are left out of the
@@ -43,11 +52,12 @@ import json
 import os
 
 from sagm_jax import methods
+from sagm_jax.data import splits
 from sagm_jax.training import rundir
 from sagm_jax.results import selection
 from sagm_jax.sweep.jobs import ARGS
 
-MIXSTYLE = " + MixStyle"
+MIXSTYLE = rundir.MIXSTYLE
 SWAD = " + SWAD"  # the row of a method's SWAD models (swad_runs)
 # A SWAD record's step in its run of the "+ SWAD" row: one step for every SWAD model, so
 # that leave-one-domain-out pairs the single run's SWAD model with the pair runs' (their
@@ -61,44 +71,64 @@ DOMAINBED_STEPS = 5001  # DomainBed's N_STEPS when a run leaves --steps unset
 Run = collections.namedtuple("Run", "path done records")  # path relative to the input
 
 
-def load_runs(input_dir: str) -> tuple[list[Run], list[str]]:
-    """Every run under ``input_dir`` with records, and the job folders without records
-    (a sweep's job that never started, or a run that has not evaluated yet)."""
+def load_runs(input_dir: str, left_out: list | None = None) -> tuple[list[Run], list, list]:
+    """Every run under ``input_dir`` with records, the job folders without records (a
+    sweep's job that never started, or a run that has not evaluated yet) and the
+    finished runs without records (``done``, but results.jsonl empty or missing: their
+    records were lost). A damaged run (:func:`records_problem`) is an error, or, given a
+    ``left_out`` list, is appended there as ``(path, why)`` and left out."""
     if not os.path.isdir(input_dir):
         raise FileNotFoundError(f"--input_dir {input_dir}: no such directory.")
-    found = rundir.find_runs(input_dir)
-    runs, without_records = [], []
+    damaged = None if left_out is None else []
+    found = rundir.find_runs(input_dir, damaged)
+    runs, not_started, lost = [], [], []
     for run in found:
-        _check_records(run)
         path = os.path.relpath(run.path, input_dir)
-        if run.records:
+        problem = records_problem(run.records)
+        if problem and left_out is None:
+            raise ValueError(f"{os.path.join(run.path, rundir.RESULTS)}: {problem}")
+        if problem:
+            left_out.append((path, problem))
+        elif run.records:
             runs.append(Run(path, run.done or domainbed_finished(run.records), run.records))
         else:
-            without_records.append(path)
-    run_folders = {os.path.normpath(run.path) for run in found}
+            (lost if run.done else not_started).append(path)
+    for folder, error in damaged or []:
+        left_out.append((os.path.relpath(folder, input_dir), error))
+    run_folders = {
+        os.path.normpath(f) for f in [r.path for r in found] + [f for f, _ in damaged or []]
+    }
     for folder, _, files in os.walk(input_dir):
         if ARGS in files and os.path.normpath(folder) not in run_folders:
-            without_records.append(os.path.relpath(folder, input_dir))
+            not_started.append(os.path.relpath(folder, input_dir))
     if not runs:
-        raise ValueError(f"--input_dir {input_dir}: no results.jsonl with records under it.")
-    return runs, sorted(without_records)
+        why = "; ".join(f"{path}: {problem}" for path, problem in left_out or [])
+        raise ValueError(
+            f"--input_dir {input_dir}: no results.jsonl with records under it"
+            + (f" (left out: {why})." if why else ".")
+        )
+    return runs, sorted(not_started), sorted(lost)
 
 
-def _check_records(run: rundir.Run) -> None:
-    for record in run.records:
+def records_problem(records: list[dict]) -> str | None:
+    """Why a run's records cannot be read as ours or DomainBed's, or None."""
+    for record in records:
         if "args" not in record or not ("config" in record or "hparams_seed" in record["args"]):
-            raise ValueError(
-                f"{os.path.join(run.path, rundir.RESULTS)}: a record has neither 'config' "
-                "(written by sagm_jax.training.train) nor 'args.hparams_seed' (written by "
-                "DomainBed's train.py); expected records of one of them."
+            return (
+                "a record has neither 'config' (written by sagm_jax.training.train) nor "
+                "'args.hparams_seed' (written by DomainBed's train.py); expected records of "
+                "one of them."
             )
+    return None
 
 
 def domainbed_finished(records: list[dict]) -> bool:
     """A DomainBed run without ``done`` finished when its last record is its last step."""
-    return is_domainbed(records[0]) and max(r["step"] for r in records) == (
-        records[0]["args"].get("steps") or DOMAINBED_STEPS
-    ) - 1
+    return (
+        is_domainbed(records[0])
+        and max(r["step"] for r in records)
+        == (records[0]["args"].get("steps") or DOMAINBED_STEPS) - 1
+    )
 
 
 def is_domainbed(record: dict) -> bool:
@@ -107,11 +137,38 @@ def is_domainbed(record: dict) -> bool:
 
 
 def method_of(record: dict) -> tuple[str, str, float]:
-    """``(objective, algorithm, disam_lambda)`` of one of our records; records written
-    before objectives and DISAM existed have neither: ``erm`` and 0."""
+    """``(objective, algorithm, disam_lambda)`` of one of our records, from its config;
+    records written before objectives and DISAM existed have neither: ``erm`` and 0. A
+    config without ``algorithm`` takes the update rule from ``args.algorithm``, which held
+    it before records wrote the method's label there (``rundir.record_algorithm``); a
+    label found there is read back as its method (:func:`method_of_label`)."""
     config = record["config"]
-    algorithm = config.get("algorithm", record["args"]["algorithm"])
-    return config.get("objective", "erm"), algorithm, float(config.get("disam_lambda") or 0)
+    objective, disam = config.get("objective", "erm"), float(config.get("disam_lambda") or 0)
+    if "algorithm" in config:
+        return objective, config["algorithm"], disam
+    recorded = record["args"]["algorithm"]
+    if recorded in methods.UPDATE_RULES:
+        return objective, recorded, disam
+    return method_of_label(recorded) or (objective, recorded, disam)
+
+
+def method_of_label(label: str) -> tuple[str, str, float] | None:
+    """The ``(objective, algorithm, disam_lambda)`` whose ``rundir.record_algorithm`` is
+    ``label`` (without " + MixStyle"; DISAM's lambda as 1.0), or None."""
+    label = label.removesuffix(MIXSTYLE)
+    for objective in methods.OBJECTIVES:
+        for algorithm in methods.UPDATE_RULES:
+            for disam in (0.0, 1.0):
+                config = {"objective": objective, "algorithm": algorithm, "disam_lambda": disam}
+                if rundir.record_algorithm(config) == label:
+                    return objective, algorithm, disam
+    return None
+
+
+def recorded_algorithm(record: dict) -> str:
+    """The update rule of one of our records (``config.algorithm``), or DomainBed's
+    ``args.algorithm``: what ``--top_hparams --algorithm`` matches besides a row."""
+    return record["args"]["algorithm"] if is_domainbed(record) else method_of(record)[1]
 
 
 def method_name(record: dict) -> str:
@@ -128,21 +185,28 @@ def method_name(record: dict) -> str:
     return label + (SWAD if "swad" in record else "")
 
 
-def swad_runs(runs: list[Run], input_dir: str) -> list[Run]:
+def swad_runs(runs: list[Run], input_dir: str, left_out: list | None = None) -> list[Run]:
     """The runs of the "+ SWAD" rows: for each finished run with a SWAD record
     (``rundir.read_swad_record``), a run at the same path whose one record is that
-    record with ``step`` set to :data:`SWAD_STEP` (:func:`method_name` names its row)."""
+    record with ``step`` set to :data:`SWAD_STEP` (:func:`method_name` names its row). A
+    SWAD record without its keys is an error, or, given a ``left_out`` list, is appended
+    there as ``(path of swad.jsonl, why)`` and left out (its run's records stay)."""
     found = []
     for run in runs:
         record = rundir.read_swad_record(os.path.join(input_dir, run.path)) if run.done else None
         if record is None:
             continue
         if not {"swad", "args", "config"} <= set(record):
-            raise ValueError(
-                f"{os.path.join(input_dir, run.path, rundir.SWAD_RESULTS)}: the SWAD record "
-                "lacks 'swad', 'args' or 'config'; expected the record that sagm_jax.training.train "
-                "writes for the SWAD model."
+            problem = (
+                "the SWAD record lacks 'swad', 'args' or 'config'; expected the record that "
+                "sagm_jax.training.train writes for the SWAD model."
             )
+            if left_out is None:
+                raise ValueError(
+                    f"{os.path.join(input_dir, run.path, rundir.SWAD_RESULTS)}: {problem}"
+                )
+            left_out.append((os.path.join(run.path, rundir.SWAD_RESULTS), problem))
+            continue
         found.append(Run(run.path, True, [{**record, "step": SWAD_STEP}]))
     return found
 
@@ -162,27 +226,59 @@ def split_of(record: dict) -> str:
     return "domainbed" if is_domainbed(record) else record["config"].get("split", "domainbed")
 
 
-def group_runs(runs: list[Run], where: dict | None = None) -> dict:
+def group_runs(
+    runs: list[Run],
+    where: dict | None = None,
+    left_out: list | None = None,
+    input_dir: str | None = None,
+) -> dict:
     """``{(split, dataset, method, trial_seed, t): {setting: {test_envs: records}}}``;
-    ``where``, when given, receives ``{(group, setting, test_envs): run path}``."""
+    ``where``, when given, receives ``{(group, setting, test_envs): run path}``. A run
+    with the same setting and test environments as an earlier one (in ``runs``' order)
+    is an error, or, given a ``left_out`` list, is appended there as ``(path, why)`` and
+    left out; ``input_dir``, where the runs are, lets :func:`duplicate_problem` compare
+    their data."""
     groups = collections.defaultdict(dict)
     where = {} if where is None else where
     for run in runs:
         first = run.records[0]
         args = first["args"]
         test_envs = tuple(sorted(int(e) for e in args["test_envs"]))
-        split = split_of(first)
-        for t in test_envs:
-            group = (split, args["dataset"], method_name(first), int(args["trial_seed"]), t)
-            setting = groups[group].setdefault(setting_key(first), {})
-            if test_envs in setting:
-                raise ValueError(
-                    f"runs {where[group, setting_key(first), test_envs]} and {run.path} "
-                    "have the same config and test environments; remove one."
-                )
-            setting[test_envs] = run.records
-            where[group, setting_key(first), test_envs] = run.path
+        split, setting = split_of(first), setting_key(first)
+        cells = [
+            (split, args["dataset"], method_name(first), int(args["trial_seed"]), t)
+            for t in test_envs
+        ]
+        taken = [where[c, setting, test_envs] for c in cells if (c, setting, test_envs) in where]
+        if taken:
+            problem = duplicate_problem(input_dir, taken[0], run.path)
+            if left_out is None:
+                raise ValueError(f"runs {taken[0]} and {run.path} {problem}")
+            left_out.append((run.path, f"{problem} (kept: {taken[0]})"))
+            continue
+        for cell in cells:
+            groups[cell].setdefault(setting, {})[test_envs] = run.records
+            where[cell, setting, test_envs] = run.path
     return groups
+
+
+def duplicate_problem(input_dir: str | None, kept: str, other: str) -> str:
+    """What two runs of one setting and test environments are: the same run twice, or,
+    when their ``split.json`` fingerprints differ (``rundir.read_data_fingerprint``), the
+    same config trained on different data. Runs without a split record (DomainBed's, or
+    written before it) count as the same data."""
+    prints = [
+        rundir.read_data_fingerprint(os.path.join(input_dir, path)) if input_dir else None
+        for path in (kept, other)
+    ]
+    changes = splits.fingerprint_changes(*prints) if None not in prints else []
+    if changes:
+        return (
+            "have the same config and test environments but were trained on different "
+            f"data ({'; '.join(changes)}); a table compares runs on one dataset: move one "
+            "out of the input folder."
+        )
+    return "have the same config, test environments and data; remove one."
 
 
 def tie_order(item: tuple) -> tuple:
@@ -247,16 +343,20 @@ def env_labels(runs: list[Run], input_dir: str) -> dict:
 
 # A sweep as read by load_sweep.
 Loaded = collections.namedtuple(
-    "Loaded", "runs finished incomplete not_started swad groups where"
+    "Loaded", "runs finished incomplete not_started swad groups where lost left_out"
 )
 
 
-def load_sweep(input_dir: str):
+def load_sweep(input_dir: str, strict: bool = False):
     """Every run under ``input_dir`` (``runs``), the ``finished`` ones, the paths of the
     ``incomplete`` ones, the jobs ``not_started``, the runs of the SWAD records
     (:func:`swad_runs`), and the ``groups`` of the finished runs and the SWAD records
-    with ``where`` each run is (:func:`group_runs`)."""
-    runs, not_started = load_runs(input_dir)
+    with ``where`` each run is (:func:`group_runs`); the finished runs whose records
+    were ``lost``, and the ``left_out`` runs, ``[(path, why)]``: damaged records
+    (:func:`load_runs`), a SWAD record without its keys, a second run of one setting
+    and test environments (:func:`group_runs`). ``strict``: each of those is an error."""
+    left_out = None if strict else []
+    runs, not_started, lost = load_runs(input_dir, left_out)
     finished = [r for r in runs if r.done]
     incomplete = sorted(r.path for r in runs if not r.done)
     if not finished:
@@ -264,6 +364,10 @@ def load_sweep(input_dir: str):
             f"--input_dir {input_dir}: no finished run (no 'done' file); "
             f"incomplete: {', '.join(incomplete)}."
         )
-    where, swad = {}, swad_runs(finished, input_dir)
-    groups = group_runs(finished + swad, where)
-    return Loaded(runs, finished, incomplete, not_started, swad, groups, where)
+    group_runs(finished, left_out=left_out, input_dir=input_dir)  # finds the duplicates
+    dropped = {path for path, _ in left_out or []}
+    finished = [r for r in finished if r.path not in dropped]
+    where, swad = {}, swad_runs(finished, input_dir, left_out)
+    groups = group_runs(finished + swad, where, left_out, input_dir)
+    left_out = sorted(left_out or [])
+    return Loaded(runs, finished, incomplete, not_started, swad, groups, where, lost, left_out)

@@ -33,9 +33,9 @@ from sagm_jax.results.tables import (
 )
 
 
-def report_notes(name, pm, finished, sweeps, incomplete, not_started) -> list[str]:
+def report_notes(name, pm, finished, sweeps, loaded) -> list[str]:
     """What the cells mean, test environments missing from a dataset, and the runs
-    left out."""
+    left out (``loaded``: :func:`records.load_sweep`'s)."""
     notes = [
         f"Model selection: {name}. Cells: mean {pm} standard error over trial seeds, "
         "s.e. = np.std(x, ddof=0) / sqrt(n) (DomainBed's); a dataset's entry averages "
@@ -55,10 +55,28 @@ def report_notes(name, pm, finished, sweeps, incomplete, not_started) -> list[st
                     f"{dataset} ({kind}): test environments "
                     f"{', '.join(map(str, sweep.test_envs[dataset]))} only, of {n_envs[dataset]}."
                 )
-    if incomplete:
-        notes.append("Incomplete runs (no 'done'; left out): " + ", ".join(incomplete) + ".")
-    if not_started:
-        notes.append("Jobs without records (not started): " + ", ".join(sorted(not_started)) + ".")
+    return notes + left_out_notes(loaded)
+
+
+def left_out_notes(loaded) -> list[str]:
+    """The notes of the runs without a place in the tables: incomplete, finished with
+    their records lost, not started, and each damaged run with why."""
+    notes = []
+    if loaded.incomplete:
+        notes.append("Incomplete runs (no 'done'; left out): " + ", ".join(loaded.incomplete) + ".")
+    if loaded.lost:
+        notes.append(
+            "Finished runs without records ('done', but results.jsonl is empty or missing: "
+            "they finished and lost their records; left out): " + ", ".join(loaded.lost) + "."
+        )
+    if loaded.not_started:
+        notes.append(
+            "Jobs without records (not started): " + ", ".join(sorted(loaded.not_started)) + "."
+        )
+    notes += [
+        f"Left out {path} (--strict refuses the report instead): {why}"
+        for path, why in loaded.left_out
+    ]
     return notes
 
 
@@ -148,19 +166,20 @@ def check_options(selection_name: str, pm: str) -> None:
         )
 
 
-
 def build_report(
     input_dir: str,
     selection_name: str = "training_domain",
     latex: bool = False,
     pm: str = PLUS_MINUS[0],
     winners: bool = False,
+    strict: bool = False,
 ) -> str:
     """The whole report (tables and notes) as one string; ``pm``: "±", or "+/-" as
     DomainBed prints (LaTeX always uses $\\pm$); ``winners``: after the tables, which
-    setting won each cell (:func:`winners_table`)."""
+    setting won each cell (:func:`winners_table`); ``strict``: a damaged run is an error,
+    not a run left out and named in the notes (:func:`records.load_sweep`)."""
     check_options(selection_name, pm)
-    loaded = load_sweep(input_dir)
+    loaded = load_sweep(input_dir, strict)
     finished, groups = loaded.finished, loaded.groups
     choices = select_settings(groups, selection_name)
     chosen = {group: choice["test_acc"] for group, choice in choices.items()}
@@ -187,8 +206,7 @@ def build_report(
             for d in sweep.datasets
             if any(g[:2] == (split, d) for g in choices)
         ]
-    left_out = (loaded.incomplete, loaded.not_started)
-    notes = report_notes(name, pm, finished, (ood, in_domain), *left_out)
+    notes = report_notes(name, pm, finished, (ood, in_domain), loaded)
     if missing:
         command = pair_runs_command(finished, missing, input_dir)
         notes.append(missing_pairs_note(missing, ood, command))

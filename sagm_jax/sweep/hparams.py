@@ -33,6 +33,22 @@ weight_decay       0; 10^U(-6, -2)                  0; fixed 0
 resnet_dropout     0; choice {0, 0.1, 0.5}          not drawn (no ResNet)
 =================  ===============================  =============================
 
+DomainBed's newer ``hparams_registry.py`` (the one with its ViT and DINOv2 backbones)
+defines more names for every algorithm and dataset, none of which is drawn here:
+``vit_dropout`` (0; choice {0, 0.1, 0.5}), read only by its ViT/DINOv2 featurizers,
+and the fixed flags ``resnet50_augmix`` True (its ``networks.ResNet`` then loads timm's
+``resnet50.ram_in1k`` weights instead of torchvision's ImageNet ResNet-50),
+``freeze_bn`` False (its ResNet then trains the BatchNorm statistics), ``dinov2``,
+``vit``, ``vit_attn_tune`` and ``lars`` False and ``linear_steps`` 500, beside the older
+fixed ``data_augmentation`` True, ``resnet18``, ``class_balanced`` and
+``nonlinear_classifier`` False. We differ on purpose where those flags change the
+model: the SAGM paper (and SWAD, whose code it builds on) ran DomainBed's earlier
+setting, which is ours by default: torchvision's ImageNet weights
+(``pretrained_weights``, ``sagm_jax.models.torchvision_weights``) and BatchNorm frozen
+(``freeze_batchnorm=True``; DomainBed's ResNet froze it always before ``freeze_bn``
+existed); we have no ViT, hence no ``vit_dropout``. As each name has its own generator,
+leaving these draws out changes none of the draws we make.
+
 Each objective's and update rule's own hyperparameters are drawn from the
 ``Distribution`` of its registry entry in :mod:`sagm_jax.methods` (DomainBed's), under
 DomainBed's name (:data:`DOMAINBED_NAMES`). DomainBed has no sharpness-aware method; OUR

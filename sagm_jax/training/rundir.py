@@ -6,7 +6,8 @@
     split.json       split indices, file lists and dataset fingerprint (sagm_jax.data),
                      written when the run starts at step 0, checked when it resumes
     results.jsonl    one DomainBed-compatible record per evaluation (:func:`make_record`),
-                     one JSON line each
+                     one JSON line each; its ``args.algorithm`` is the method's label
+                     (:func:`record_algorithm`), the update rule is ``config.algorithm``
     checkpoints/     the kept train states (sagm_jax.training.checkpoints)
     run.lock         held by the one process that trains the directory (sagm_jax.main)
     done             written last; a finished run is never trained again
@@ -29,7 +30,9 @@ finished run must hold each exactly once, an unfinished one a prefix of them, an
 resumed at step ``s`` every one before ``s``. A gap or a repeat (a record lost or
 duplicated by hand, or by a copy) is an error naming the file and the steps. Records
 without a ``config`` (written by DomainBed's train.py) cannot be checked so; they follow
-DomainBed's rules (sagm_jax.collect_results).
+DomainBed's rules (sagm_jax.collect_results). On a run with a gap or a repeat,
+:func:`find_runs` raises, or, given a list, sets the run aside there (the result tables
+then leave it out and name it).
 """
 
 from __future__ import annotations
@@ -50,6 +53,13 @@ RUN_LOCK = "run.lock"
 DONE = "done"
 SWAD_RESULTS = "swad.jsonl"  # the SWAD model's one record (a SWAD run)
 SWAD_MODEL = "swad_model"  # the SWAD model's variables
+MIXSTYLE = " + MixStyle"  # what MixStyle adds to a method's label
+
+# The methods that DomainBed's ``domainbed/algorithms.py`` names otherwise than
+# ``methods.method_label``: its class names (``ALGORITHMS``) ``Mixup`` and ``ANDMask``.
+# The other labels of a single method are already DomainBed's names (``ERM``, ``CORAL``,
+# ``MMD``, ``GroupDRO``, ``IRM``, ``VREx``, ``Fish``, ``MLDG``).
+DOMAINBED_ALGORITHMS = {"ERM + Mixup": "Mixup", "AND-mask": "ANDMask"}
 
 # Config keys that differ between the runs of one hyperparameter setting.
 NOT_HPARAMS = ("test_envs", "all_test_envs", "trial_seed", "seed", "hparams_seed")
@@ -242,6 +252,25 @@ def hparams_seed(config_dict: dict) -> int:
     return int(hashlib.md5(text.encode("utf-8")).hexdigest(), 16) % 2**31
 
 
+def record_algorithm(config_dict: dict) -> str:
+    """The record's ``args.algorithm``: the run's whole method, where DomainBed's
+    ``collect_results`` reads it (one row per ``args.algorithm``), so that its rows tell
+    our methods apart. DomainBed's class name where it has one (:data:`DOMAINBED_ALGORITHMS`,
+    ``CORAL``, ``Fish``), else ``methods.method_label`` ("SAGM + CORAL", "DISAM on SAGM"),
+    with " + MixStyle" when ``mixstyle``. Only the record holds it: ``hparams_seed`` and
+    the sweep's job hashes come from the config, whose ``algorithm`` stays the update
+    rule (our readers take the method from the config)."""
+    from sagm_jax import methods  # the registries import JAX; reading records needs neither
+
+    label = methods.method_label(
+        config_dict.get("objective", "erm"),
+        config_dict["algorithm"],
+        float(config_dict.get("disam_lambda") or 0),
+    )
+    label = DOMAINBED_ALGORITHMS.get(label, label)
+    return label + (MIXSTYLE if config_dict.get("mixstyle") else "")
+
+
 def make_record(
     config_dict: dict,
     workdir: str,
@@ -257,7 +286,8 @@ def make_record(
     the last record of the loss the method reports) and the method's other ``metrics``
     (``penalty``, ``nll``: DomainBed's keys, also means), ``env{i}_{part}_acc``, DomainBed's ``epoch`` (examples seen per
     training environment over the ``smallest_env`` examples of the smallest one's "in"
-    part), its ``args`` and ``hparams``, and the whole config."""
+    part), its ``args`` (``algorithm``: :func:`record_algorithm`) and ``hparams``, and
+    the whole config."""
     return {
         "step": step,
         "loss": loss,
@@ -266,7 +296,7 @@ def make_record(
         **accuracies,
         "args": {
             "dataset": config_dict["dataset"],
-            "algorithm": config_dict["algorithm"],
+            "algorithm": record_algorithm(config_dict),
             "test_envs": test_envs,
             "trial_seed": config_dict["trial_seed"],
             "seed": config_dict["seed"],
@@ -292,18 +322,26 @@ class Run:
         return self.records[-1]["step"] if self.records else None
 
 
-def find_runs(root: str) -> list[Run]:
+def find_runs(root: str, damaged: list | None = None) -> list[Run]:
     """Every run directory under ``root`` (``root`` itself included), in path order: a
     folder holding ``config.json`` or ``results.jsonl`` (DomainBed's runs have only the
     records). Checkpoint folders are not searched. A run whose records have a gap or a
-    repeat is a :class:`RecordsError` (:func:`check_steps`)."""
+    repeat (:func:`check_steps`), or hold a line that is not a record, is a
+    :class:`RecordsError`; given a ``damaged`` list, it is appended there instead as
+    ``(folder, the error's text)`` and left out of the runs returned."""
     runs = []
     for folder, subfolders, files in os.walk(root):
         subfolders[:] = sorted(d for d in subfolders if d != CHECKPOINTS)
         if CONFIG in files or RESULTS in files:
             path = os.path.join(folder, RESULTS)
-            records = _read_records(path)[0]
-            check_steps(path, records, finished=DONE in files)
+            try:
+                records = _read_records(path)[0]
+                check_steps(path, records, finished=DONE in files)
+            except RecordsError as error:
+                if damaged is None:
+                    raise
+                damaged.append((folder, str(error)))
+                continue
             runs.append(Run(folder, DONE in files, records))
     return sorted(runs, key=lambda run: run.path)
 
@@ -313,6 +351,16 @@ def read_run_info(workdir: str) -> dict:
     and environment names, weights, dataset fingerprint, devices)."""
     with open(os.path.join(workdir, RUN_INFO)) as f:
         return json.load(f)
+
+
+def read_data_fingerprint(workdir: str) -> dict | None:
+    """The dataset fingerprint in ``workdir/split.json`` (what identifies the data a run
+    trained on, whatever its ``data_dir``), or None without a readable split record."""
+    try:
+        with open(os.path.join(workdir, SPLIT)) as f:
+            return json.load(f).get("fingerprint")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def read_config(workdir: str) -> dict:

@@ -384,7 +384,8 @@ def test_the_command_runs_from_anywhere_as_a_module(tmp_path):
 def test_a_lost_or_repeated_record_is_named_not_tabled(tmp_path, capsys):
     """A finished run's records say which evaluations it made (its config's steps and
     eval_every: here 0, 100 and 200). A record deleted (`sed -i 2d`) would move oracle
-    selection silently; the collector names the file and the step instead."""
+    selection silently; the collector leaves the run out and names the file and the step
+    (tests/results/test_records.py), or, with --strict, refuses the report."""
     root = tmp_path / "sweep"
     write_sweep(str(root))
     results = root / "PACS" / "PACS_domainbed_erm_t0_s0_lr1e-05" / "results.jsonl"
@@ -397,7 +398,8 @@ def test_a_lost_or_repeated_record_is_named_not_tabled(tmp_path, capsys):
         assert collect_results.build_report(str(root), "oracle_best") == f.read()
     results.write_text(lines[0] + lines[2])
     with pytest.raises(ValueError, match=rf"{results}: missing step\(s\) \[100\]"):
-        collect_results.build_report(str(root), "oracle_best")
+        collect_results.build_report(str(root), "oracle_best", strict=True)
+    assert f"{results}: missing step(s) [100]" in collect_results.build_report(str(root))
     results.write_text(lines[0] + lines[1] + lines[1] + lines[2])
-    assert collect_results.main(["--input_dir", str(root)]) == 2
+    assert collect_results.main(["--input_dir", str(root), "--strict"]) == 2
     assert f"{results}: repeated step(s) [100]" in capsys.readouterr().err

@@ -409,33 +409,46 @@ def test_hparams_seed_names_the_setting_not_the_test_env_or_seed():
 
 
 def write_golden_sweep_flat(root, eval_splits):
-    """The finished out-of-domain runs of the golden sweep (golden_records.json; no
-    MixStyle, whose runs DomainBed would file under the same ``args.algorithm``), one
-    level deep as DomainBed's ``load_records`` reads them, each record with
-    ``args.hparams_seed`` as sagm_jax.training.train writes it. With ``eval_splits="fast"`` the
-    records are what fast mode writes, by the rule written out here (SWAD's evaluator's):
-    no 'in' accuracy of a training environment. Returns ``{algorithm: row label}``."""
+    """The finished out-of-domain runs of the golden sweep (golden_records.json), one
+    level deep as DomainBed's ``load_records`` reads them, each record with ``args`` as
+    sagm_jax.training.train writes them: ``hparams_seed``, and ``algorithm`` the method's
+    label (``rundir.record_algorithm``; "SAGM + MixStyle" apart from "SAGM"). With
+    ``eval_splits="fast"`` the records are what fast mode writes, by the rule written out
+    here (SWAD's evaluator's): no 'in' accuracy of a training environment."""
     with open(os.path.join(HERE, "golden_records.json")) as f:
         runs = json.load(f)
-    labels = {}
     for run in runs:
         config = {**run["config"], "eval_splits": eval_splits}
-        if not run["done"] or config["split"] != "domainbed" or config["mixstyle"]:
+        if not run["done"] or config["split"] != "domainbed":
             continue
         folder = os.path.join(root, os.path.basename(run["path"]))
         os.makedirs(folder)
-        args = {k: config[k] for k in ("dataset", "algorithm", "test_envs", "trial_seed", "seed")}
-        args.update(hparams_seed=rundir.hparams_seed(config), output_dir=folder)
+        args = {k: config[k] for k in ("dataset", "test_envs", "trial_seed", "seed")}
+        args.update(
+            algorithm=rundir.record_algorithm(config),
+            hparams_seed=rundir.hparams_seed(config),
+            output_dir=folder,
+        )
         train_envs = [e for e in range(4) if e not in args["test_envs"]]
         dropped = {f"env{e}_in_acc" for e in train_envs} if eval_splits == "fast" else set()
         with open(os.path.join(folder, "results.jsonl"), "w") as f:
             for record in run["records"]:
                 record = {k: v for k, v in record.items() if k not in dropped}
-                record = {**record, "args": args, "config": config}
-                labels[config["algorithm"]] = collect_results.method_name(record)
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps({**record, "args": args, "config": config}) + "\n")
         open(os.path.join(folder, "done"), "w").close()
-    return labels
+
+
+def ours_as_domainbeds(input_dir, selection_name):
+    """Our collector's selected accuracies, keyed as :func:`domainbed_accs` keys them:
+    ``(trial_seed, dataset, DomainBed's row, test env)``; our row is DomainBed's but for
+    the names DomainBed spells otherwise (``rundir.DOMAINBED_ALGORITHMS``)."""
+    groups = collect_results.group_runs(collect_results.load_runs(input_dir)[0])
+    return {
+        (seed, dataset, rundir.DOMAINBED_ALGORITHMS.get(row, row), t): acc
+        for (_, dataset, row, seed, t), acc in collect_results.select(
+            groups, selection_name
+        ).items()
+    }
 
 
 @pytest.mark.parametrize(
@@ -450,25 +463,21 @@ def test_domainbeds_reader_selects_alike_from_fast_and_all_split_records(tmp_pat
     """DomainBed's own selection methods (training-domain validation, the oracle and
     leave-one-domain-out, re-stated above) read fast records: each group's accuracy is
     the one they select from the all-split records, and the one our collector selects."""
-    labels = write_golden_sweep_flat(str(tmp_path / "all"), "all")
+    write_golden_sweep_flat(str(tmp_path / "all"), "all")
     write_golden_sweep_flat(str(tmp_path / "fast"), "fast")
     fast_records = load_records(str(tmp_path / "fast"))
     single = next(r for r in fast_records if r["args"]["test_envs"] == [0])
     assert "env0_in_acc" in single and "env1_in_acc" not in single and "env1_out_acc" in single
     expected = domainbed_accs(load_records(str(tmp_path / "all")), run_acc)
     assert domainbed_accs(fast_records, run_acc) == expected
-    # Every (dataset, algorithm) has cells; leave-one-domain-out only where pairs exist.
+    # Every (dataset, method) has cells; leave-one-domain-out only where pairs exist.
     assert {(d, a) for _, d, a, _ in expected} == (
-        {("PACS", "erm"), ("PACS", "sagm")}
+        {("PACS", "ERM"), ("PACS", "SAGM")}
         if ours == "leave_one_out"
-        else {(d, a) for d in ("PACS", "VLCS") for a in ("erm", "sam", "sagm")}
+        else {(d, a) for d in ("PACS", "VLCS") for a in ("ERM", "SAM", "SAGM")}
+        | {("PACS", "SAGM + MixStyle")}
     )
-    groups = collect_results.group_runs(collect_results.load_runs(str(tmp_path / "fast"))[0])
-    by_label = {label: algorithm for algorithm, label in labels.items()}
-    assert {
-        (seed, dataset, by_label[method], t): acc
-        for (_, dataset, method, seed, t), acc in collect_results.select(groups, ours).items()
-    } == expected
+    assert ours_as_domainbeds(str(tmp_path / "fast"), ours) == expected
 
 
 def write_pacs_tree(root, n=2):
@@ -535,8 +544,8 @@ def test_domainbeds_reader_prints_tables_from_our_sweep(tmp_path, monkeypatch):
     for order in (sorted, lambda names: sorted(names, reverse=True)):
         monkeypatch.setattr(os, "listdir", listdir_in(order))
         tables = domainbed_tables(output)
-        assert tables["PACS"]["erm"][0] == f"{100 * accuracy:.1f} +/- 0.0"
-        assert tables["PACS"]["erm"][1:] == ["X", "X", "X", "X"]  # envs 1-3 not run
+        assert tables["PACS"]["ERM"][0] == f"{100 * accuracy:.1f} +/- 0.0"
+        assert tables["PACS"]["ERM"][1:] == ["X", "X", "X", "X"]  # envs 1-3 not run
     # Without args.hparams_seed, DomainBed's reader fails as it did on our old records.
     for job in jobs:
         path = os.path.join(job.directory, "results.jsonl")

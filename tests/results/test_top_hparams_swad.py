@@ -276,7 +276,11 @@ def test_a_swad_record_without_its_marks_is_refused(tmp_path):
     (folder / "swad.jsonl").write_text(json.dumps(record) + "\n")  # no "swad"
     (folder / "done").write_text("")
     with pytest.raises(ValueError, match="swad.jsonl: the SWAD record lacks 'swad'"):
-        collect_results.build_report(str(tmp_path))
+        collect_results.build_report(str(tmp_path), strict=True)
+    report = collect_results.build_report(str(tmp_path))  # the run's own records stay
+    assert f"| ERM | {100 * accs['env0_in_acc']:.1f} ± 0.0 |" in report
+    assert "Left out run/swad.jsonl (--strict refuses the report instead): the SWAD" in report
+    assert " + SWAD |" not in report
 
 
 def test_method_order_puts_each_swad_row_after_its_method():
@@ -328,7 +332,6 @@ def test_varying_keys_and_the_only_setting():
 
 # --- --top_hparams -------------------------------------------------------------
 
-SHOWN = ["algorithm", "dataset", "dropout", "lr", "mixstyle", "rho", "split", "weight_decay"]
 SELECTION_NAMES = {
     "training_domain": "training-domain validation (DomainBed)",
     "leave_one_out": "leave-one-domain-out cross-validation (DomainBed)",
@@ -348,7 +351,8 @@ def expected_block(row, use_swad, t):
                 accs = f"val_acc {val:.4f}, test_acc {test:.4f}"
                 lines.append(f"    {rank}. {accs} (hparams_seed {h})")
                 config = RUNS[path_of(base, seed, h, (t,))].config
-                keys = SHOWN + [k for k in ("objective", "swad") if k in config]
+                # The keys that vary between the settings, and the method's.
+                keys = [*SETTINGS[0], *(k for k in ("algorithm", "objective") if k in config)]
                 lines.append("        hparams:")
                 for k in sorted(keys):
                     lines.append(f"        {'*' if k in SETTINGS[0] else ' '} {k}: {config[k]}")

@@ -83,6 +83,44 @@ def test_a_relaunch_that_changes_eval_splits_is_refused_naming_the_recorded_valu
         run.check_config({"lr": 2.0, "eval_splits": "all"})  # no eval_splits hint
 
 
+def test_args_algorithm_is_the_methods_label_and_the_setting_keeps_its_hash(tmp_path):
+    """DomainBed's collector makes one row per ``args.algorithm``: a record writes the
+    whole method there (DomainBed's name CORAL, not the update rule erm, which stays in
+    ``config.algorithm``). ``args.hparams_seed`` hashes the config, as before the label
+    (the value below is what the records of this config held then); a sweep's job hash
+    hashes the job's arguments, which hold no record."""
+    config = {
+        "dataset": "PACS",
+        "objective": "coral",
+        "algorithm": "erm",
+        "disam_lambda": 0.0,
+        "mixstyle": False,
+        "test_envs": [0],
+        "all_test_envs": False,
+        "trial_seed": 0,
+        "seed": 0,
+        "batch_per_env": 32,
+        "lr": 5e-5,
+    }
+    evaluation = {"step": 0, "loss": 1.0, "accuracies": {}, "test_envs": [0], "smallest_env": 100}
+    record = rundir.make_record(config, str(tmp_path), **evaluation)
+    assert record["args"]["algorithm"] == "CORAL"
+    assert record["config"]["algorithm"] == "erm"
+    assert record["args"]["hparams_seed"] == rundir.hparams_seed(config) == 1325761871
+    labels = {
+        ("mixup", "erm"): "Mixup",
+        ("erm", "and_mask"): "ANDMask",
+        ("coral", "sagm"): "SAGM + CORAL",
+        ("erm", "fish"): "Fish",
+    }
+    for (objective, algorithm), label in labels.items():
+        method = {**config, "objective": objective, "algorithm": algorithm}
+        assert rundir.record_algorithm(method) == label
+    assert rundir.record_algorithm({**config, "algorithm": "sagm", "mixstyle": True}) == (
+        "SAGM + CORAL + MixStyle"
+    )
+
+
 def test_a_record_is_domainbeds_with_the_setting_and_the_whole_config(tmp_path):
     config = {
         "dataset": "PACS",
@@ -110,7 +148,7 @@ def test_a_record_is_domainbeds_with_the_setting_and_the_whole_config(tmp_path):
         "env0_in_acc": 0.75,
         "args": {
             "dataset": "PACS",
-            "algorithm": "sagm",
+            "algorithm": "SAGM",  # the method's label (rundir.record_algorithm)
             "test_envs": [1],
             "trial_seed": 2,
             "seed": 2,
