@@ -483,3 +483,47 @@ def test_a_relaunch_changing_only_such_settings_is_accepted(tmp_path):
         per_device = {**config, "perturbation": "per_device"}
         write_json(str(tmp_path / "config.json"), per_device)
         run.check_config({**per_device, "num_devices": 2})
+
+
+def test_mldg_split_that_cannot_fit_the_datasets_environments_is_refused_before_set_up():
+    config = load("colored_mnist")  # 3 environments: one held out leaves 2
+    config.algorithm, config.mldg_n_meta_test = "mldg", 2
+    (problem,) = [p for p in config_problems(config) if "mldg_n_meta_test" in p]
+    assert "config.mldg_n_meta_test=2 with num_domains=2 training domains" in problem
+    config.mldg_n_meta_test = 1
+    assert config_problems(config) == []
+    config.algorithm, config.mldg_n_meta_test = "erm", 2  # not MLDG: not its concern
+    assert config_problems(config) == []
+    config.dataset = "ImageFolder"  # domains unknown until listed: checked at set-up
+    config.algorithm = "mldg"
+    assert not any("mldg_n_meta_test" in p for p in config_problems(config))
+
+
+@pytest.mark.parametrize("objective, reason", [("coral", "unbiased"), ("irm", "odd half")])
+def test_an_objective_undefined_on_one_example_per_domain_is_refused(objective, reason):
+    config = load("rotated_digits")
+    config.objective, config.batch_per_env = objective, 1
+    (problem,) = config_problems(config)
+    assert problem.startswith(f"config.batch_per_env=1 with config.objective={objective}: ")
+    assert reason in problem and "--config.batch_per_env=2" in problem
+    config.batch_per_env = 2
+    assert config_problems(config) == []
+
+
+def test_mmd_gamma_zero_would_train_erm_under_another_label_and_is_refused():
+    config = load("rotated_digits")
+    config.objective, config.mmd_gamma = "coral", 0.0
+    (problem,) = config_problems(config)
+    assert problem.startswith("config.mmd_gamma=0.0: expected a number > 0")
+    assert "ERM labelled CORAL or MMD" in problem
+
+
+def test_swad_says_that_it_replaces_eval_every():
+    config = load("rotated_digits")  # eval_every 50, swad_eval_every 100
+    assert config_warnings(config) == []
+    config.swad = True
+    (warning,) = config_warnings(config)
+    assert warning.startswith("config.eval_every=50 is not used with config.swad=True: ")
+    assert "--config.swad_eval_every=50" in warning
+    config.swad_eval_every = 50
+    assert config_warnings(config) == []

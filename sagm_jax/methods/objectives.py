@@ -382,14 +382,19 @@ def _feature_matching(kind: str):
     return objective
 
 
+# 0 would train ERM under the label CORAL or MMD: refused (DomainBed draws 10^U(-1, 1)).
 _MMD_GAMMA = Hyperparameter(
-    "mmd_gamma", 1.0, "weight of the CORAL/MMD feature penalty", ">= 0", log_uniform(-1, 1)
+    "mmd_gamma", 1.0, "weight of the CORAL/MMD feature penalty", "> 0", log_uniform(-1, 1),
+    note=" (with 0 there is no feature penalty: the run would be ERM labelled CORAL or MMD; "
+    "--config.objective=erm trains ERM)",
 )
 register_objective(Objective(
     Method("coral", "CORAL", (_MMD_GAMMA,),
            "ERM + gamma * mean over domain pairs of the feature mean/covariance gap",
            "DomainBed (Sun & Saenko 2016)", (86.2, 78.8, 68.7, 47.6, 41.5, 64.6, "DomainBed")),
-    _feature_matching("coral"), label_alone=True,
+    _feature_matching("coral"), label_alone=True, min_batch_per_env=2,
+    min_batch_reason="CORAL's covariance is unbiased (it divides by b - 1), so one example "
+    "per domain gives 0/0",
 ))
 register_objective(Objective(
     Method("mmd", "MMD", (_MMD_GAMMA,),
@@ -477,7 +482,9 @@ register_objective(Objective(
                        log_uniform(0, 4, integer=True)),
     ), "mean domain loss + lambda * IRMv1 penalty (split-batch estimate)",
         "DomainBed (Arjovsky et al. 2019)", (83.5, 78.5, 64.3, 47.6, 33.9, 61.6, "DomainBed")),
-    _irm, restart_key="irm_penalty_anneal_iters", label_alone=True,
+    _irm, restart_key="irm_penalty_anneal_iters", label_alone=True, min_batch_per_env=2,
+    min_batch_reason="IRM's penalty multiplies the gradients of each domain's even and odd "
+    "examples, so one example per domain leaves the odd half empty",
 ))
 
 def _vrex(args: Step):

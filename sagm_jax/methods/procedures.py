@@ -147,18 +147,32 @@ def first_adam_step(params: Params, grads: Params, learning_rate: float,
     return jax.tree.map(step, params, grads)
 
 
+def mldg_split_problem(n_meta_test: int, num_domains: int) -> str | None:
+    """Why MLDG cannot split ``num_domains`` training domains into meta-train and
+    ``n_meta_test`` meta-test ones, or None. DomainBed's ``split_meta_train_test``
+    (``domainbed/lib/misc.py``) takes ``perm[:M - n]`` as meta-train: with ``n >= M`` that
+    is empty (``n = M``) or the wrong domains (``n > M``, a negative slice), and
+    ``MLDG.update`` then steps Adam on zero gradients, reporting loss 0: it trains
+    nothing (ColoredMNIST, M = 2, n = 2)."""
+    if 1 <= n_meta_test < num_domains:
+        return None
+    return (
+        f"config.mldg_n_meta_test={n_meta_test} with num_domains={num_domains} training "
+        f"domains: MLDG needs 1 <= mldg_n_meta_test < num_domains (it pairs the "
+        f"num_domains - mldg_n_meta_test meta-train domains with the meta-test ones; "
+        f"with none, DomainBed's MLDG trains nothing). Lower config.mldg_n_meta_test "
+        f"to at most {num_domains - 1}"
+        + (" (or train on at least 2 domains)." if num_domains < 2 else ".")
+    )
+
+
 def check_mldg_split(n_meta_test: int, num_domains: int) -> None:
-    """Refuses a split with no meta-train domain. DomainBed takes such a step with a zero
-    gradient (ColoredMNIST, M = 2, n = 2), so MLDG would train nothing; we raise."""
-    if not 1 <= n_meta_test < num_domains:
-        raise ValueError(
-            f"config.mldg_n_meta_test={n_meta_test} with num_domains={num_domains} training "
-            f"domains: MLDG needs 1 <= mldg_n_meta_test < num_domains (it pairs the "
-            f"num_domains - mldg_n_meta_test meta-train domains with the meta-test ones; "
-            f"with none, DomainBed's MLDG trains nothing). Lower config.mldg_n_meta_test "
-            f"to at most {num_domains - 1}"
-            + (" (or train on at least 2 domains)." if num_domains < 2 else ".")
-        )
+    """Refuses a split with no meta-train domain (:func:`mldg_split_problem`); the
+    config refuses it before a run where the dataset's domains are known, this at
+    set-up for an image folder's."""
+    problem = mldg_split_problem(n_meta_test, num_domains)
+    if problem:
+        raise ValueError(problem)
 
 
 def mldg_gradient(params: Params, domain_value_and_grad: DomainValueAndGrad, key: jax.Array,

@@ -104,6 +104,10 @@ class Objective(NamedTuple):
     # A DomainBed algorithm whose row is its own name under ERM ("CORAL", not
     # "ERM + CORAL"); Mixup and CutMix keep "ERM + ", as the paper's Table 2 prints them.
     label_alone: bool = False
+    # The fewest examples per training domain and step the loss is defined for, and why
+    # (the config refuses fewer before a run): CORAL's unbiased covariance, IRM's halves.
+    min_batch_per_env: int = 1
+    min_batch_reason: str = ""
 
     @property
     def name(self) -> str:

@@ -43,10 +43,23 @@ inside ``shard_map``/``pmap`` the heads ``pmean`` ``ascent_grads`` like ``g``;
 that equals one device's ``g_DI`` only when the per-domain losses in the
 cotangents are the GLOBAL ones (``pmean`` them first), since ``g_DI`` is not
 linear in them.
+
+Order in a chain. A head must be the FIRST member of its ``optax.chain``: its
+``updates`` are taken to be the clean gradient ``g`` of ``grad_fn``'s loss. Placed
+after ``optax.adam`` it would perturb along Adam's normalised step instead and return
+a mix of a step and a gradient for nothing to consume, silently. The transforms cannot
+check their place at run time: a transform sees neither the chain nor the members
+before it, and comparing ``updates`` with ``grad_fn(params, 0)`` would cost one more
+gradient per step and still be unsound, because a member before the head may change
+the gradient on purpose (clipping, coupled weight decay added to it) and numerics
+(bfloat16, another device mesh) differ in the last bits. ``rule_optimizer`` builds
+the chains of this package in the right order.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Callable, NamedTuple, Optional, Union
 
 import jax
@@ -175,6 +188,16 @@ def _value(rho: ScalarOrSchedule, count):
     return rho(count) if callable(rho) else rho
 
 
+def _check_rho(rho: ScalarOrSchedule) -> None:
+    """A number rho must be finite and >= 0 (a schedule is the caller's to bound)."""
+    if isinstance(rho, numbers.Real) and not isinstance(rho, bool):
+        if not (math.isfinite(rho) and rho >= 0):
+            raise ValueError(
+                f"rho={rho!r}: expected a finite number >= 0 (the radius of the "
+                "perturbation), or an optax schedule of the update count."
+            )
+
+
 def _check_mode(perturbation_mode: str, axis_name: Optional[str]):
     if perturbation_mode not in ("global", "per_device"):
         raise ValueError(f"perturbation={perturbation_mode!r}: expected 'global' or 'per_device'.")
@@ -202,6 +225,7 @@ def _sharpness_aware(
     ``direction_fn`` in place of ``g`` (SAGM's ``disam_descent="variance"``).
     """
     _check_mode(perturbation_mode, axis_name)
+    _check_rho(rho)
     global_sync = perturbation_mode == "global" and axis_name is not None
 
     def init_fn(params):
@@ -259,6 +283,9 @@ def sagm(
 ) -> optax.GradientTransformationExtraArgs:
     """Sharpness-Aware Gradient Matching (Wang et al., CVPR 2023), as its code computes it.
 
+    The first member of its ``optax.chain`` (the module docstring, "Order in a chain"):
+    ``updates`` must be the clean gradient.
+
     1. ``g = grad L_B(w)`` (the ``updates`` passed in).
     2. ``e = (rho / (||g|| + eps) - alpha) * g``  (see :func:`perturbation_vector`).
     3. ``g_p = grad L_B(w + e)`` on the same batch (``grad_fn``).
@@ -277,7 +304,8 @@ def sagm(
     give in SAGM's code). Without ``ascent_grads`` the option changes nothing.
 
     Args:
-      rho: perturbation radius, a float or an optax schedule of the update count.
+      rho: perturbation radius, a finite float >= 0 (else ValueError) or an optax
+        schedule of the update count.
       alpha: weight of the raw gradient subtracted in the ascent step.
       eps: added to the norm, so a zero gradient gives ``e = 0``, not NaN.
       adaptive: ASAM-style scaling by ``|w|`` (off in every experiment of the paper).
@@ -334,6 +362,8 @@ def sam(
 ) -> optax.GradientTransformationExtraArgs:
     """Sharpness-Aware Minimization (Foret et al., ICLR 2021).
 
+    The first member of its ``optax.chain``, as :func:`sagm`.
+
     ``e = rho * g / (||g|| + eps)``; ``d = g_p = grad L_B(w + e)``, consumed at
     the unperturbed ``w``. ``adaptive=True`` gives ASAM's
     ``e = rho * w**2 * g / (|| |w| * g || + eps)``. With the extra argument
@@ -353,6 +383,8 @@ def gsam(
     axis_name: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Surrogate-gap guided SAM (Zhuang et al., ICLR 2022).
+
+    The first member of its ``optax.chain``, as :func:`sagm`.
 
     ``e = rho * g / (||g|| + eps)``, ``g_p = grad L_B(w + e)``, then the part of
     the clean gradient orthogonal to ``g_p`` is subtracted::

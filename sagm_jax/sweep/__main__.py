@@ -33,6 +33,12 @@ executor). A job's output goes to ``out.txt`` / ``err.txt`` in its directory; a
 failing job does not stop the others and is reported at the end (exit status 1).
 ``status`` lists every job with its last evaluated step, and the folders that are not
 jobs of the grid.
+
+Before ``launch`` (``--dry_run`` too) starts or writes anything, every job's config goes
+through the checks ``sagm_jax.main`` runs (``sagm_jax.sweep.preflight``): any problem,
+all of them listed at once with the --set / --grid flag or the jobs they come from,
+exits 2. A job whose MLDG meta-test split leaves no meta-train domain is left out, one
+line each.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ import shlex
 import sys
 
 from sagm_jax import methods
-from sagm_jax.sweep import jobs as jobs_lib, launchers
+from sagm_jax.sweep import jobs as jobs_lib, launchers, preflight
 from sagm_jax.sweep.jobs import INCOMPLETE, PRESETS
 
 # The --launcher slurm / submitit_local flags: make_executor's keyword arguments.
@@ -207,6 +213,28 @@ def make_jobs(args) -> list[jobs_lib.Job]:
     )
 
 
+def checked_jobs(args, jobs: list[jobs_lib.Job]) -> tuple[list[jobs_lib.Job], list[str]]:
+    """The jobs that can run, and the problems of the others (``sagm_jax.sweep.preflight``:
+    the checks ``sagm_jax.main`` runs); prints one line per job left out."""
+    report = preflight.check_jobs(jobs, preflight.Flags.from_items(args.set, args.grid))
+    left_out = {id(job) for job, _ in report.skipped}
+    for job, why in report.skipped:
+        print(f"sweep: left out {job.describe([jobs_lib.HPARAMS_SEED])}: {why}", file=sys.stderr)
+    return [job for job in jobs if id(job) not in left_out], report.problems
+
+
+def refuse(problems: list[str]) -> int:
+    """Every problem at once, as ``sagm_jax.main`` lists them; exit status 2."""
+    print(
+        f"sweep: {len(problems)} problem(s) in the jobs' configs; nothing was launched or "
+        "written:",
+        file=sys.stderr,
+    )
+    for i, problem in enumerate(problems, 1):
+        print(f"  {i}. {problem}", file=sys.stderr)
+    return 2
+
+
 def show_status(args, jobs) -> int:
     print(jobs_lib.status_table(jobs, args.output_dir))
     unknown = jobs_lib.unknown_folders(jobs, args.output_dir)
@@ -274,6 +302,12 @@ def main(argv=None) -> int:
         jobs = make_jobs(args)
     except ValueError as error:
         print(f"sweep: {error}", file=sys.stderr)
+        return 2
+    jobs, problems = checked_jobs(args, jobs)
+    if problems and args.command == "launch":
+        return refuse(problems)
+    if not jobs and args.command == "launch":
+        print("sweep: no job is left to run.", file=sys.stderr)
         return 2
     if args.command == "status":
         return show_status(args, jobs)

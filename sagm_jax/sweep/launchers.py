@@ -61,8 +61,8 @@ def run_job(job: Job, command: list[str], gpu: str | None = None, started=None):
     claim, ALREADY_DONE when the job finished meanwhile. ``started(process)`` is called
     once the process runs."""
     claim = claims.try_claim(job.directory, CLAIM)
-    if claim is None:
-        return ELSEWHERE
+    if claim is None:  # a job that finished still holds it while its process exits
+        return ALREADY_DONE if job.is_done() else ELSEWHERE
     with claim:
         if job.is_done():  # finished by another launcher since this one looked
             return ALREADY_DONE
@@ -130,9 +130,10 @@ class Progress:
         return n, time.monotonic()
 
     def skip(self) -> None:
-        """A job that turned out done or claimed elsewhere: not one of the N."""
+        """A job that turned out done or claimed elsewhere: no longer left to run. The
+        N stays the count of jobs to run at launch, so every line has the same N."""
         with self.lock:
-            self.total -= 1
+            self.ended += 1
 
     def end(self, n: int, start: float, job: Job, outcome) -> None:
         seconds = time.monotonic() - start
@@ -206,6 +207,10 @@ def launch(
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
+    # A job another launcher ran may have finished meanwhile: done, not running.
+    finished_elsewhere = [job for job in result["elsewhere"] if job.is_done()]
+    result["skipped"] += finished_elsewhere
+    result["elsewhere"] = [job for job in result["elsewhere"] if job not in finished_elsewhere]
     return result
 
 

@@ -760,3 +760,12 @@ def test_disam_inside_shard_map_pmeans_ascent_grads_like_one_device():
     assert_trees_close(actual, expected, rtol=1e-10, atol=1e-14)
     # Why the losses are pmean-ed first: shard losses give another, wrong g_DI.
     assert max_gap(per_shard_cotangents, expected) > 1e-6
+
+
+@pytest.mark.parametrize("transform", [sagm_jax.sagm, sagm_jax.sam, sagm_jax.gsam])
+@pytest.mark.parametrize("rho", [-1.0, float("nan"), float("inf"), -1])
+def test_a_negative_or_non_finite_rho_is_refused_at_construction(transform, rho):
+    with pytest.raises(ValueError, match=r"^rho=.*: expected a finite number >= 0"):
+        transform(rho=rho)
+    transform(rho=0.0)  # a head with rho 0 is the config's to refuse, not the transform's
+    transform(rho=optax.constant_schedule(0.05))

@@ -453,7 +453,8 @@ def test_slurm_submission_is_one_array_task_per_job_with_the_flags(tmp_path, mon
 
 def test_slurm_launcher_off_a_cluster_says_so(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no srun
-    argv = ["launch", "--datasets", "PACS", "--algorithms", "erm", "--test_envs", "0"]
+    argv = ["launch", "--datasets", "PACS", "--algorithms", "erm", "--test_envs", "0",
+            "--set", "pretrained_weights=resnet50.safetensors"]  # a run's own check
     assert sweep_main(argv + ["--output_dir", str(tmp_path), "--launcher", "slurm"]) == 2
     assert "--launcher slurm" in capsys.readouterr().err
 
