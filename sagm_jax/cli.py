@@ -32,7 +32,7 @@ import ml_collections
 from sagm_jax import config as config_lib
 from sagm_jax import models
 from sagm_jax.formatting import flag_value
-from sagm_jax.training.rundir import find_runs
+from sagm_jax.training.rundir import CHECKPOINTS, find_runs
 
 PROGRAM = "python -m sagm_jax.main"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -100,13 +100,35 @@ def check_overrides(argv: Sequence[str], config: ml_collections.ConfigDict, path
     for arg in argv:
         match = re.match(r"--config\.([\w.]+)(=|$)", arg)
         if match and match.group(1) not in valid:
-            close = difflib.get_close_matches(match.group(1), valid, n=1)
+            close = close_name(match.group(1), valid)
             hint = (
-                f"did you mean `{close[0]}`? (--help lists every key)"
+                f"did you mean `{close}`? (--help lists every key)"
                 if close
                 else f"Valid keys: {', '.join(sorted(valid))}."
             )
             raise UsageError(f"--config.{match.group(1)}: no such key in {path}; {hint}")
+
+
+def close_name(name: str, names: Sequence[str]) -> str | None:
+    """The one of ``names`` closest to ``name``, compared case-insensitively (``Fish``
+    finds ``fish``), or None when none is close."""
+    by_lower = {n.lower(): n for n in names}
+    close = difflib.get_close_matches(name.lower(), list(by_lower), n=1)
+    return by_lower[close[0]] if close else None
+
+
+def value_suggestions(
+    config: ml_collections.ConfigDict, device_count: int | None = None
+) -> dict[str, str]:
+    """For each problem of :func:`sagm_jax.config.field_problems` whose field names one of
+    a list of names and whose value is close to one of them, ``did you mean ...?``."""
+    checks = {field.key: field.check for field in config_lib.all_fields()}
+    hints = {}
+    for key, problem in config_lib.field_problems(config, device_count):
+        names, value = getattr(checks[key], "names", None), config.get(key)
+        if names and isinstance(value, str) and (close := close_name(value, names)):
+            hints[problem] = f" Did you mean --config.{key}={close}?"
+    return hints
 
 
 def check_command_line(argv: Sequence[str]) -> None:
@@ -214,13 +236,19 @@ def help_text(path: str | None = None) -> str:
 
 
 def default_workdir(config: ml_collections.ConfigDict) -> str:
-    """``workdirs/<dataset>-<algorithm>-test<envs>-trial<t>-<md5 of the config, 8 hex>``:
-    the same command finds its run again, any other config gets its own directory."""
+    """``workdirs/<dataset>-<algorithm>[-<objective>][-swad]-test<envs>-trial<t>-<md5 of the
+    config, 8 hex>`` (the objective where it is not erm, ``swad`` where SWAD is on): the
+    same command finds its run again, any other config gets its own directory."""
     envs = "all" if config.all_test_envs else "_".join(str(e) for e in config.test_envs)
     digest = hashlib.md5(
         json.dumps(config.to_dict(), sort_keys=True, default=str).encode()
     ).hexdigest()[:8]
-    name = f"{config.dataset}-{config.algorithm}-test{envs}-trial{config.trial_seed}-{digest}"
+    method = [config.algorithm]
+    if config.get("objective", "erm") != "erm":
+        method.append(str(config.objective))
+    if config.get("swad") is True:
+        method.append("swad")
+    name = f"{config.dataset}-{'-'.join(method)}-test{envs}-trial{config.trial_seed}-{digest}"
     return os.path.join("workdirs", name)
 
 
@@ -309,6 +337,8 @@ def preflight(
     problems += config_lib.config_problems(config, device_count, check_files=True)
     if not problems:
         return
+    hints = value_suggestions(config, device_count)
+    problems = [problem + hints.get(problem, "") for problem in problems]
     path = _config_path(argv[1:]) or "the config"
     lines = [f"{path} cannot start; {len(problems)} thing(s) to fix:"]
     lines += [
@@ -394,10 +424,20 @@ def interrupted_message(workdir: str, argv: Sequence[str]) -> str:
     command = list(argv[1:])
     if not any(a.startswith("--workdir") for a in command):
         command.append(f"--workdir={workdir}")
+    if not steps and not _holds_checkpoints(workdir):  # stopped during set-up
+        return (
+            f"Stopped before the first evaluation: {workdir} holds no checkpoint or records "
+            f"yet. The same command starts the run from step 0:\n  {PROGRAM} {shlex.join(command)}"
+        )
     return (
         f"Stopped. {workdir} keeps its checkpoints and records.{kept} Resume from the last "
         f"checkpoint with the same command:\n  {PROGRAM} {shlex.join(command)}"
     )
+
+
+def _holds_checkpoints(workdir: str) -> bool:
+    pattern = os.path.join(glob.escape(workdir), "**", CHECKPOINTS, "*")
+    return bool(glob.glob(pattern, recursive=True))
 
 
 def guarded(

@@ -139,6 +139,30 @@ def test_default_workdir_names_the_run_and_changes_with_the_config():
     assert cli.default_workdir(config) != first
 
 
+def test_default_workdir_names_the_objective_and_swad_where_not_the_defaults():
+    config = mnist_config("RotatedDigits")
+    config.objective, config.swad = "coral", True
+    name = os.path.basename(cli.default_workdir(config))
+    assert name.startswith("RotatedDigits-sagm-coral-swad-test0-trial0-"), name
+    config.swad = False
+    assert os.path.basename(cli.default_workdir(config)).startswith(
+        "RotatedDigits-sagm-coral-test0-"
+    )
+
+
+def test_a_stop_before_anything_was_written_says_so(tmp_path):
+    """Ctrl-C or SIGTERM during the set-up (the data load): nothing to resume from."""
+    workdir = str(tmp_path / "run")
+    message = cli.interrupted_message(workdir, ["main", f"--config={DIGITS}"])
+    assert "keeps its checkpoints and records" not in message
+    assert (
+        f"Stopped before the first evaluation: {workdir} holds no checkpoint or records" in message
+    )
+    assert f"python -m sagm_jax.main --config={DIGITS} --workdir={workdir}" in message
+    os.makedirs(os.path.join(workdir, "checkpoints", "0"))  # one checkpoint: resumable
+    assert "keeps its checkpoints and records" in cli.interrupted_message(workdir, ["main"])
+
+
 def test_an_error_during_the_run_is_one_message(tmp_path):
     for domain in ("a", "b"):  # class folders without images: found by the run's loader
         (tmp_path / "data" / domain / "x").mkdir(parents=True)
@@ -151,6 +175,45 @@ def test_an_error_during_the_run_is_one_message(tmp_path):
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr and "error:" in result.stderr
     assert "--traceback shows where" in result.stderr
+
+
+OFFLINE = """
+import runpy, socket, sys
+from tensorflow_datasets.core.download import downloader
+
+def getaddrinfo(*args, **kwargs):  # every host name fails, as without internet
+    raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+socket.getaddrinfo = getaddrinfo
+downloader.MAX_RETRIES = 0  # one try, not tfds's 10 retries with backoff (about 200 s)
+sys.argv[0] = "sagm_jax.main"
+runpy.run_module("sagm_jax.main", run_name="__main__")
+"""
+
+
+def test_rotated_mnist_without_internet_says_the_download_needs_it(tmp_path):
+    """A fresh install gets as far as MNIST's download, and says what it needs."""
+    data_dir = tmp_path / "tfds"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            OFFLINE,
+            "--config=configs/rotated_mnist.py",
+            f"--workdir={tmp_path / 'run'}",
+            f"--config.data_dir={data_dir}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "XLA_FLAGS": ""},
+        timeout=300,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    err = flat(result.stderr)
+    assert "Traceback" not in err and "No module named" not in err
+    assert f"error: MNIST is not prepared in {data_dir}" in err
+    assert "Downloading MNIST needs the internet" in err and "--config.data_dir=DIR" in err
 
 
 def test_a_second_process_on_the_same_workdir_is_refused(tmp_path):
@@ -292,6 +355,20 @@ def test_a_misspelt_key_gets_did_you_mean():
     with pytest.raises(cli.UsageError) as error:
         cli.check_overrides(["--config.zzzzzz=3"], config, DIGITS)
     assert "did you mean" not in str(error.value) and "Valid keys: " in str(error.value)
+    with pytest.raises(cli.UsageError) as error:  # compared case-insensitively
+        cli.check_overrides(["--config.STEPS=3"], config, DIGITS)
+    assert "did you mean `steps`?" in str(error.value)
+
+
+def test_a_misspelt_name_gets_did_you_mean(tmp_path):
+    config = mnist_config("RotatedDigits")
+    config.algorithm, config.objective = "Fish", "corall"
+    with pytest.raises(cli.UsageError) as error:
+        cli.preflight(config, str(tmp_path / "run"), ["main", f"--config={DIGITS}"])
+    message = flat(str(error.value))
+    assert "config.algorithm=Fish: expected one of" in message
+    assert "Did you mean --config.algorithm=fish?" in message
+    assert "Did you mean --config.objective=coral?" in message
 
 
 def test_the_summary_labels_environments_as_the_tables_do(capsys):

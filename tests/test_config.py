@@ -418,6 +418,16 @@ def test_the_bounds_keep_sensible_values():
     assert config_problems(unlocked(arch="mnist_cnn", image_size=7, store_short_side=7)) == []
 
 
+def test_swads_tolerance_is_held_to_its_convergence_count_only_with_swad():
+    values = dict(swad_n_converge=5, swad_n_tolerance=3)
+    assert config_problems(unlocked(**values)) == []  # swad=False: neither is read
+    problems = config_problems(unlocked(swad=True, **values))
+    assert [p for p in problems if p.startswith("config.swad_n_tolerance")] == [
+        "config.swad_n_tolerance=3: expected an integer >= config.swad_n_converge=5 "
+        "(SWAD's window holds it)."
+    ]
+
+
 # --- settings that do not change the result ----------------------------------------------
 
 

@@ -188,10 +188,12 @@ def image_size(value, config, device_count):
 
 
 def swad_tolerance(value, config, device_count):
+    """A positive integer; where SWAD is on, at least ``swad_n_converge`` (without SWAD
+    neither is read, and a tolerance below the convergence count is no problem)."""
     converge = config.get("swad_n_converge")
     if not is_int(value) or value < 1:
         return "a positive integer"
-    if is_int(converge) and value < converge:
+    if config.get("swad") is True and is_int(converge) and value < converge:
         return f"an integer >= config.swad_n_converge={converge} (SWAD's window holds it)"
 
 

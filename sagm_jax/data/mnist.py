@@ -24,8 +24,9 @@ permutation). Images are float32 in [0, 1], HxWxC.
 
 Each is an ``ArraySource``: the arrays, and the ``dataset.Source`` that serves them.
 
-MNIST comes from ``tfds.load('mnist')`` (downloaded to ``data_dir`` where there is
-internet; tests use ``tfds.testing.mock_data``).
+MNIST comes from tfds's ``mnist`` builder (downloaded to ``data_dir`` where there is
+internet, else read from a ``data_dir`` prepared elsewhere); a failed download says it
+needs the internet, and a module tfds lacks is named as a missing package.
 """
 
 from __future__ import annotations
@@ -81,17 +82,31 @@ class ArraySource:
 
 def load_mnist_uint8(data_dir: str | None) -> tuple[np.ndarray, np.ndarray]:
     """MNIST train then test: uint8 [70000, 28, 28] and int64 labels (via tfds)."""
-    import tensorflow_datasets as tfds
-
     try:
-        splits = tfds.load("mnist", split=["train", "test"], data_dir=data_dir, as_supervised=True)
+        import tensorflow_datasets as tfds
+
+        builder = tfds.builder("mnist", data_dir=data_dir)
+    except ImportError as e:
+        raise missing_package(e) from e
+    try:
+        builder.download_and_prepare()  # returns at once where data_dir holds MNIST
+    except ImportError as e:
+        raise missing_package(e) from e
     except Exception as e:
-        raise FileNotFoundError(
-            f"Could not load MNIST through tensorflow-datasets (data_dir={data_dir!r}): {e}\n"
-            "tfds downloads MNIST on first use where there is internet; offline, prepare it "
-            "elsewhere with `tfds build mnist --data_dir=DIR` and copy DIR here. "
-            "Use the dataset 'RotatedDigits' for an offline demo."
+        if not _is_network_error(e):
+            raise _load_failed(data_dir, e) from e
+        raise ConnectionError(
+            f"MNIST is not prepared in {builder.data_dir} and tensorflow-datasets could not "
+            f"download it: {e}\nDownloading MNIST needs the internet. Offline, prepare it "
+            "on a machine with internet (`tfds build mnist --data_dir=DIR`), copy DIR here "
+            "and pass --config.data_dir=DIR. The dataset 'RotatedDigits' runs offline."
         ) from e
+    try:
+        splits = builder.as_dataset(split=["train", "test"], as_supervised=True)
+    except ImportError as e:
+        raise missing_package(e) from e
+    except Exception as e:
+        raise _load_failed(data_dir, e) from e
     images, labels = [], []
     for split in splits:  # train, then test, as DomainBed concatenates them
         for x, y in split.batch(10_000).as_numpy_iterator():
@@ -99,6 +114,49 @@ def load_mnist_uint8(data_dir: str | None) -> tuple[np.ndarray, np.ndarray]:
             labels.append(y)
     images, labels = np.concatenate(images), np.concatenate(labels)
     return images.astype(np.uint8), labels.astype(np.int64)
+
+
+def missing_package(error: ImportError) -> ModuleNotFoundError:
+    """A missing module named as a missing package of the install, not as missing data."""
+    name = error.name or str(error)
+    return ModuleNotFoundError(
+        f"The MNIST datasets load through tensorflow-datasets, which needs the Python "
+        f"package '{name}', and it is not installed ({error}). Install sagm_jax's "
+        f"dependencies again (`pip install -e .` declares it) or `pip install {name}`.",
+        name=error.name,
+    )
+
+
+def _is_network_error(error: BaseException) -> bool:
+    """Whether ``error`` or an exception it came from is a failed connection (no
+    internet, a name that does not resolve, a timeout)."""
+    import socket
+
+    import requests
+
+    kinds = (
+        ConnectionError,
+        TimeoutError,
+        socket.gaierror,
+        requests.ConnectionError,
+        requests.Timeout,
+    )
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, kinds):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _load_failed(data_dir: str | None, error: Exception) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"Could not load MNIST through tensorflow-datasets (data_dir={data_dir!r}): {error}\n"
+        "tfds downloads MNIST on first use where there is internet; offline, prepare it "
+        "elsewhere with `tfds build mnist --data_dir=DIR` and copy DIR here. "
+        "Use the dataset 'RotatedDigits' for an offline demo."
+    )
 
 
 def shuffle_into_envs(images, labels, n_envs: int, data_seed: int):

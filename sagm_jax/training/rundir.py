@@ -51,6 +51,7 @@ RESULTS = "results.jsonl"
 CHECKPOINTS = "checkpoints"
 RUN_LOCK = "run.lock"
 DONE = "done"
+WALL_TIME = "wall_time.json"  # the seconds of the launch that finished the run
 SWAD_RESULTS = "swad.jsonl"  # the SWAD model's one record (a SWAD run)
 SWAD_MODEL = "swad_model"  # the SWAD model's variables
 MIXSTYLE = " + MixStyle"  # what MixStyle adds to a method's label
@@ -346,6 +347,18 @@ def find_runs(root: str, damaged: list | None = None) -> list[Run]:
     return sorted(runs, key=lambda run: run.path)
 
 
+def read_wall_time(workdir: str) -> float | None:
+    """The recorded seconds of the launch that finished the run at ``workdir``; None for a
+    run not finished, or finished before runs recorded it."""
+    if not os.path.exists(os.path.join(workdir, DONE)):
+        return None
+    try:
+        with open(os.path.join(workdir, WALL_TIME)) as f:
+            return float(json.load(f)["seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def read_run_info(workdir: str) -> dict:
     """``workdir/run_info.json``: what the run was set up with (its input shape, class
     and environment names, weights, dataset fingerprint, devices)."""
@@ -455,7 +468,12 @@ class RunDir:
                 f.write(json.dumps(record, sort_keys=True) + "\n")
             os.replace(tmp, os.path.join(self.workdir, SWAD_RESULTS))
 
-    def mark_done(self) -> None:
+    def mark_done(self, wall_time_s: float | None = None) -> None:
+        """Marks the run finished, first recording ``wall_time_s`` (the seconds of the
+        launch that finished it) for a relaunch to print."""
         if self.is_main:
+            if wall_time_s is not None:
+                with open(os.path.join(self.workdir, WALL_TIME), "w") as f:
+                    json.dump({"seconds": round(wall_time_s, 3)}, f)
             with open(os.path.join(self.workdir, DONE), "w") as f:
                 f.write("done\n")

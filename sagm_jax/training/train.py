@@ -67,6 +67,7 @@ from sagm_jax.training.rundir import (
     read_records,
     read_run_info,
     read_swad_record,
+    read_wall_time,
 )
 from sagm_jax.results.selection import training_domain_validation, validation_accuracy
 from sagm_jax.swad.run import SwadRun
@@ -204,6 +205,9 @@ def setup(config: ml_collections.ConfigDict) -> Program:
 
 def train_one_run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
     """Trains one run with ``config.test_envs`` held out; returns its records."""
+    import time
+
+    start = time.monotonic()
     validate(config, device_count=jax.device_count())
     rundir = RunDir(workdir, is_main=jax.process_index() == 0)
     config_dict = config.to_dict()
@@ -230,7 +234,7 @@ def train_one_run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]
     swad_record = None
     if swad_run is not None:
         swad_record = swad_run.finish(state, program, rundir, records[-1])
-    rundir.mark_done()
+    rundir.mark_done(wall_time_s=time.monotonic() - start)
     if rundir.is_main:
         print_summary(records, program.test_envs, program.dataset.env_names, swad_record)
     return records
@@ -379,17 +383,26 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Any:
     import time
 
     start, is_main = time.monotonic(), jax.process_index() == 0
+    earlier = []  # the recorded wall times of the runs found finished
+
+    def train_or_read(run_config, run_workdir):
+        recorded = read_wall_time(run_workdir)
+        records = train_one_run(run_config, run_workdir)
+        if recorded is not None:
+            earlier.append(recorded)
+        return records
+
     if is_main:
         print(f"Run directory: {os.path.abspath(workdir)}", flush=True)
     if not config.all_test_envs:
-        result = train_one_run(config, workdir)
+        result = train_or_read(config, workdir)
     else:
         env_names = data_lib.from_config(config, open_images=False).env_names
         result = {}
         for env in range(len(env_names)):
             env_config = ml_collections.ConfigDict(config.to_dict())
             env_config.test_envs, env_config.all_test_envs = (env,), False
-            records = train_one_run(env_config, os.path.join(workdir, f"test_env{env}"))
+            records = train_or_read(env_config, os.path.join(workdir, f"test_env{env}"))
             result[env] = training_domain_validation(records, [env])[f"env{env}_in_acc"]
         table = markdown_test_accuracies(config, env_names, result)
         if is_main:
@@ -397,5 +410,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Any:
                 f.write(table + "\n")
             print("\n" + table + f"\n(written to {os.path.join(workdir, 'results.md')})")
     if is_main:  # the run directory was printed first, once
-        print(f"Wall time: {formatting.duration(time.monotonic() - start)}")
+        print(wall_time_line(time.monotonic() - start, earlier))
     return result
+
+
+def wall_time_line(elapsed: float, earlier: list[float]) -> str:
+    """``Wall time: ...``: this launch's ``elapsed`` seconds, plus, where runs were found
+    finished, the wall times recorded by the launches that trained them."""
+    if not earlier:
+        return f"Wall time: {formatting.duration(elapsed)}"
+    return (
+        f"Wall time: {formatting.duration(sum(earlier) + elapsed)} "
+        f"({formatting.duration(sum(earlier))} recorded when it trained, "
+        f"{formatting.duration(elapsed)} this launch)"
+    )

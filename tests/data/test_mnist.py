@@ -1,4 +1,8 @@
-"""RotatedDigits, and RotatedMNIST / ColoredMNIST on tfds mock MNIST."""
+"""RotatedDigits, RotatedMNIST / ColoredMNIST on tfds mock MNIST, and MNIST through tfds's
+real builder offline: a tiny MNIST prepared by it, a failed download, a missing package."""
+
+import os
+import socket
 
 import numpy as np
 import pytest
@@ -77,3 +81,111 @@ def test_colored_mnist_on_mock_data(mock_mnist):
         colour_flip = np.mean(colour[has_ink] != y[has_ink])
         assert abs(colour_flip - flip_prob) < 0.1
         np.testing.assert_allclose(x.max(axis=-1), raw[perm][i::3] / 255.0, atol=1e-6)
+
+
+TINY_SIZES = {"train": 12, "test": 6}
+
+
+def write_idx(path, array: np.ndarray, magic: int):
+    """MNIST's IDX file: a big-endian magic number, the dimensions, then the bytes."""
+    header = np.array([magic, *array.shape], ">u4").tobytes()
+    path.write_bytes(header + array.astype(np.uint8).tobytes())
+
+
+def examples(images, labels) -> list:
+    return sorted((image.tobytes(), int(label)) for image, label in zip(images, labels))
+
+
+@pytest.fixture
+def tiny_mnist_download(tmp_path, monkeypatch):
+    """The four MNIST files, tiny (12 train and 6 test images), served in place of the
+    download: tfds's own ``mnist`` builder does everything else (its download manager,
+    generation, tfds's folder format, reading). Returns the images and labels written."""
+    import tensorflow_datasets as tfds
+    from tensorflow_datasets.image_classification import mnist as tfds_mnist
+
+    rng = np.random.RandomState(0)
+    written, files = {}, {}
+    for split, n in TINY_SIZES.items():
+        images = rng.randint(0, 256, (n, 28, 28)).astype(np.uint8)
+        labels = rng.randint(0, 10, n).astype(np.uint8)
+        files[f"{split}_data"] = tmp_path / f"{split}-images-idx3-ubyte"
+        files[f"{split}_labels"] = tmp_path / f"{split}-labels-idx1-ubyte"
+        write_idx(files[f"{split}_data"], images, 2051)
+        write_idx(files[f"{split}_labels"], labels, 2049)
+        written[split] = (images, labels)
+    monkeypatch.setattr(tfds_mnist, "_TRAIN_EXAMPLES", TINY_SIZES["train"])
+    monkeypatch.setattr(tfds_mnist, "_TEST_EXAMPLES", TINY_SIZES["test"])
+    served = []
+
+    def download_and_extract(self, urls):
+        served.extend(urls)
+        return {key: str(files[key]) for key in urls}
+
+    monkeypatch.setattr(tfds.download.DownloadManager, "download_and_extract", download_and_extract)
+    return written, served
+
+
+def test_mnist_is_prepared_and_read_by_tfds_real_builder(tmp_path, tiny_mnist_download):
+    """A broken tensorflow-datasets install (a module it imports missing) fails here."""
+    written, served = tiny_mnist_download
+    data_dir = str(tmp_path / "tfds")
+    images, labels = mnist.load_mnist_uint8(data_dir)  # prepares data_dir, then reads it
+    assert sorted(served) == ["test_data", "test_labels", "train_data", "train_labels"]
+    assert os.path.exists(os.path.join(data_dir, "mnist", "3.0.1", "dataset_info.json"))
+    assert images.dtype == np.uint8 and labels.dtype == np.int64
+    # Train then test, each in the order tfds wrote it (tfds shuffles when it prepares).
+    start = 0
+    for split, n in TINY_SIZES.items():
+        assert examples(images[start : start + n], labels[start : start + n]) == examples(
+            *written[split]
+        )
+        start += n
+    # Prepared: read again without a download, and as a dataset.
+    served.clear()
+    again, _ = mnist.load_mnist_uint8(data_dir)
+    assert served == [] and np.array_equal(again, images)
+    ds = data.load("RotatedMNIST", data_dir, trial_seed=0)
+    assert ds.fingerprint["total"] == sum(TINY_SIZES.values())
+
+
+@pytest.fixture
+def no_internet(monkeypatch):
+    """Every host name fails to resolve, as on a machine without internet (and tfds tries
+    once, not its 10 retries with backoff, about 200 s)."""
+    from tensorflow_datasets.core.download import downloader
+
+    monkeypatch.setattr(downloader, "MAX_RETRIES", 0)
+
+    def getaddrinfo(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+
+def test_a_failed_download_says_it_needs_the_internet(tmp_path, no_internet):
+    data_dir = str(tmp_path / "tfds")
+    with pytest.raises(ConnectionError) as raised:
+        mnist.load_mnist_uint8(data_dir)
+    message = " ".join(str(raised.value).split())
+    assert f"MNIST is not prepared in {data_dir}" in message
+    assert "Downloading MNIST needs the internet" in message
+    assert "`tfds build mnist --data_dir=DIR`" in message and "--config.data_dir=DIR" in message
+
+
+def test_a_module_tfds_lacks_is_named_as_a_missing_package(tmp_path, monkeypatch):
+    import tensorflow_datasets as tfds
+
+    def download_and_prepare(self, *args, **kwargs):
+        # What tensorflow-datasets 4.9.10 raised where importlib_resources was missing.
+        raise ModuleNotFoundError(
+            "No module named 'importlib_resources'", name="importlib_resources"
+        )
+
+    monkeypatch.setattr(tfds.core.DatasetBuilder, "download_and_prepare", download_and_prepare)
+    with pytest.raises(ModuleNotFoundError) as raised:
+        mnist.load_mnist_uint8(str(tmp_path / "tfds"))
+    message = " ".join(str(raised.value).split())
+    assert "needs the Python package 'importlib_resources', and it is not installed" in message
+    assert "pip install importlib_resources" in message
+    assert "tfds build" not in message and "offline" not in message

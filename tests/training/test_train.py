@@ -454,6 +454,24 @@ def test_all_test_envs_prints_the_workdir_once_then_writes_the_table_and_wall_ti
     assert out.splitlines()[-1].startswith("Wall time: 0m0")
 
 
+
+def test_a_relaunched_finished_run_prints_its_recorded_wall_time(tmp_path, capsys, monkeypatch):
+    """The relaunch trains nothing: it prints the wall time the finishing launch recorded
+    (a run directory written before runs recorded it prints this launch's time)."""
+    monkeypatch.setattr(train, "train_one_run", lambda config, workdir: [])
+    config = mnist_config("RotatedDigits")
+    run = tmp_path / "run"
+    os.makedirs(run)
+    rundir.RunDir(str(run), is_main=True).mark_done(wall_time_s=28.4)
+    assert rundir.read_wall_time(str(run)) == 28.4
+    train.train_and_evaluate(config, str(run))
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("Wall time: 0m28s (0m28s recorded when it trained, 0m0"), last
+    os.remove(run / rundir.WALL_TIME)  # a run finished before wall times were recorded
+    train.train_and_evaluate(config, str(run))
+    assert capsys.readouterr().out.splitlines()[-1].startswith("Wall time: 0m0")
+
+
 # --- a run's data and records are checked when it resumes or is relaunched done -----------
 
 
