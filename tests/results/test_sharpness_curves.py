@@ -17,25 +17,32 @@ from run_fixtures import digits_config
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "perturbation,checkpoint", [("global", "latest"), ("per_device", "latest"), ("global", "swad")]
+    "perturbation,checkpoints", [("global", ("latest", "swad")), ("per_device", ("latest",))]
 )
-def test_sharpness_curves_of_a_finished_run(tmp_path, perturbation, checkpoint):
+def test_sharpness_curves_of_a_finished_run(tmp_path, perturbation, checkpoints):
     """Per-device (m-sharpness) runs load as global ones do: the script restores the
-    parameters without rebuilding the optimizer; a SWAD run's averaged model too."""
-    swad = dict(swad=True, swad_eval_every=1) if checkpoint == "swad" else {}
+    parameters without rebuilding the optimizer; a SWAD run's last and averaged models
+    too."""
+    swad = dict(swad=True, swad_eval_every=1) if "swad" in checkpoints else {}
     config = digits_config(
         steps=3, cnn_widths=(8, 16, 16, 16), test_envs=(2,), perturbation=perturbation, **swad
     )
     run_dir = tmp_path / "sweep" / "run0"
     train.train_and_evaluate(config, str(run_dir))
-    rhos = [0.0, 0.05, 0.5]
+    for checkpoint in checkpoints:
+        check_the_curve(tmp_path, run_dir, checkpoint)
+
+
+def check_the_curve(tmp_path, run_dir, checkpoint):
+    """The script's curve of ``checkpoint`` against the loss computed here."""
+    rhos, out = [0.0, 0.05, 0.5], tmp_path / f"out_{checkpoint}"
     assert (
         sharpness_curves.main(
             [
                 "--input_dir",
                 str(tmp_path / "sweep"),
                 "--output_dir",
-                str(tmp_path / "out"),
+                str(out),
                 "--rhos",
                 ",".join(map(str, rhos)),
                 "--checkpoint",
@@ -44,12 +51,12 @@ def test_sharpness_curves_of_a_finished_run(tmp_path, perturbation, checkpoint):
         )
         == 0
     )
-    with open(tmp_path / "out" / "sharpness.json") as f:
+    with open(out / "sharpness.json") as f:
         (entry,) = json.load(f)
     assert entry["test_env"] == 2 and entry["env_name"] == "30" and entry["step"] == 2
     assert entry["method"] == ("SAGM + SWAD" if checkpoint == "swad" else "SAGM")
     assert entry["sharpness"][0] == 0.0
-    assert os.path.getsize(tmp_path / "out" / "sharpness.png") > 10_000
+    assert os.path.getsize(out / "sharpness.png") > 10_000
 
     # Independently: full-batch loss of the whole target domain at w and at w + rho g/|g|.
     _, dataset, model, variables, step = sharpness_curves.restore_run(str(run_dir), checkpoint)
