@@ -289,7 +289,9 @@ def test_a_killed_launchers_job_keeps_its_claim_and_finishes_once(tmp_path):
     jobs = jobs_for(tmp_path / "sweep", algorithms=["erm"], test_envs=["0"], trial_seeds=[0])
     job = jobs[0]
     jobs = [job]
-    first = start_launcher(tmp_path, jobs, seconds=4, name="a")
+    # Long enough that the orphan still runs while a second launcher starts on a loaded
+    # machine (a job that ended meanwhile is counted done, not elsewhere).
+    first = start_launcher(tmp_path, jobs, seconds=10, name="a")
     wait_for(lambda: log_lines(tmp_path) == [f"start {os.path.basename(job.directory)}"])
     first.send_signal(signal.SIGKILL)
     first.wait()
