@@ -101,8 +101,13 @@ def test_a_state_without_batch_stats_restores_empty_batch_stats(tmp_path):
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_stop_during_a_save_waits_for_the_save_then_stops(tmp_path, monkeypatch, signum):
     """Ctrl-C (or SIGTERM, which the run maps to it) in the middle of a save: the save
-    completes and restores, then the run stops with KeyboardInterrupt."""
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    completes and restores, then the run stops with KeyboardInterrupt. Both signals get
+    Python's KeyboardInterrupt handler here, whatever pytest inherited (a background or
+    ``nohup`` launch ignores SIGINT)."""
+    previous = {
+        sig: signal.signal(sig, signal.default_int_handler)
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
     checkpoints = Checkpoints(str(tmp_path))
     save = checkpoints.manager.save
 
@@ -115,7 +120,8 @@ def test_a_stop_during_a_save_waits_for_the_save_then_stops(tmp_path, monkeypatc
         with pytest.raises(KeyboardInterrupt):
             checkpoints.save(4, state_at(4), 0.5)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     assert saved_steps(str(tmp_path)) == [4]
     assert_same_values(Checkpoints(str(tmp_path)).restore_latest(state_at(0)), state_at(4))
 
