@@ -10,7 +10,6 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
-TRAINING_DOC = os.path.join(ROOT, "docs", "training.md")
 README_MAX_LINES = 350
 PAGES = [README, *sorted(glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True))]
 
@@ -76,21 +75,5 @@ def test_layout_table_names_the_package_as_it_is():
             assert f"sagm_jax/{entry}/" in named, f"sagm_jax/{entry}/ has no row"
 
 
-@pytest.mark.slow
-def test_load_run_example_runs_on_a_trained_run(tmp_path):
-    """docs/training.md's inference example, on a real (tiny) RotatedDigits run."""
-    from sagm_jax.training import train
-    from sagm_jax.config import mnist_config
-
-    config = mnist_config("RotatedDigits")
-    config.update(dict(batch_per_env=8, steps=2, eval_every=1, cnn_widths=(8, 8, 8, 8)))
-    records = train.train_and_evaluate(config, str(tmp_path / "run"))
-    text = read(TRAINING_DOC)
-    (example,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "load_run" in b]
-    example = example.replace('"workdirs/my-run"', repr(str(tmp_path / "run")))
-    namespace = {}
-    exec(compile(example, "docs/training.md:load_run", "exec"), namespace)
-    record = namespace["record"]
-    assert record == train.read_records(str(tmp_path / "run"))[record["step"]]
-    assert len(records) == 2
-    assert namespace["predicted_class"].shape == (4,)
+# docs/training.md's load_run example runs on a trained run in
+# tests/training/test_loading.py::test_load_run_gives_the_selected_checkpoint_and_its_recorded_accuracy.

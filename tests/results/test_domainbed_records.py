@@ -493,9 +493,10 @@ def write_pacs_tree(root, n=2):
 
 @pytest.mark.slow
 def test_domainbeds_reader_prints_tables_from_our_sweep(tmp_path, monkeypatch):
-    """Two real 2-step jobs (two learning rates) on a stand-in PACS, through the launcher;
-    DomainBed's reader then selects between them by args.hparams_seed and prints PACS's
-    table, with the accuracy our collector selects.
+    """Two real 2-step jobs (two learning rates) on a stand-in PACS, through the launcher's
+    real command (a relaunch skips them, done); DomainBed's reader then selects between
+    them by args.hparams_seed and prints PACS's table, with the accuracy our collector
+    selects.
 
     On this noise data the two settings' validation accuracies usually tie exactly (2
     validation images per environment); then the larger ``args.hparams_seed`` wins in
@@ -521,7 +522,11 @@ def test_domainbeds_reader_prints_tables_from_our_sweep(tmp_path, monkeypatch):
     result = launchers.launch(jobs, log=lambda _: None)
     errors = [open(os.path.join(j.directory, "err.txt")).read()[-2000:] for j in jobs]
     assert len(result["finished"]) == 2, errors
+    assert launchers.launch(jobs, log=lambda _: None)["skipped"] == jobs  # done: not run again
     records = load_records(output)
+    assert sorted(r["step"] for r in records) == [0, 0, 1, 1]
+    assert all(r["args"]["test_envs"] == [0] and r["hparams"]["batch_per_env"] == 4
+               for r in records)
     # The default, eval_splits="fast": the training environments' 'in' parts are not
     # evaluated, and DomainBed's reader below reads such records all the same.
     for r in records:

@@ -14,7 +14,6 @@ import time
 
 import pytest
 
-from sagm_jax.results import collect as collect_results
 from sagm_jax.sweep import jobs as sweep_jobs, launchers
 from sagm_jax.sweep.__main__ import main as sweep_main, make_jobs, parse_args
 
@@ -163,29 +162,9 @@ def test_cli_reports_bad_input(capsys):
     assert "'Nope'" in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_one_real_tiny_job(tmp_path, monkeypatch):
-    """The launcher's real command trains (2 steps of RotatedDigits) and the collector
-    reads what it wrote."""
-    monkeypatch.setenv("XLA_FLAGS", "")  # one CPU device for the subprocess
-    jobs = sweep_jobs.make_jobs(
-        ["RotatedDigits"],
-        ["sagm"],
-        ["0"],
-        [0],
-        {},
-        {"steps": 2, "eval_every": 1, "batch_per_env": 8, "eval_batch_size": 64},
-        str(tmp_path / "sweep"),
-    )
-    result = launchers.launch(jobs, log=lambda _: None)
-    err = open(os.path.join(jobs[0].directory, "err.txt")).read()
-    assert result["finished"] == jobs, err[-2000:]
-    records = [json.loads(line) for line in open(os.path.join(jobs[0].directory, "results.jsonl"))]
-    assert [r["step"] for r in records] == [0, 1]
-    assert records[0]["args"]["test_envs"] == [0] and records[0]["hparams"]["batch_per_env"] == 8
-    assert launchers.launch(jobs, log=lambda _: None)["skipped"] == jobs  # done: not run again
-    report = collect_results.build_report(str(tmp_path / "sweep"))
-    assert "| SAGM | " in report and "(1/1)" not in report
+# The launcher's real command (python -m sagm_jax.main) trains two jobs, is skipped once
+# they are done, and both collectors read what they wrote:
+# tests/results/test_domainbed_records.py::test_domainbeds_reader_prints_tables_from_our_sweep.
 
 
 # --- exactly once: claims, several launchers, kills -------------------------------

@@ -3,6 +3,7 @@ checkpoint reproduces its record) and a user's images prepared as the run's eval
 prepared its own (``preprocess``)."""
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -15,11 +16,14 @@ from sagm_jax.training import train
 
 from run_fixtures import digits_config
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 @pytest.mark.slow
 def test_load_run_gives_the_selected_checkpoint_and_its_recorded_accuracy(tmp_path):
     """Checkpoints are numbered by record steps, "best" is the step the summary selects,
-    and the loaded model reproduces that record's accuracy, counted here directly."""
+    and the loaded model reproduces that record's accuracy, counted here directly; the
+    docs' inference example runs on the same run."""
     from sagm_jax import data as data_lib
     from sagm_jax.results.selection import training_domain_validation
 
@@ -37,6 +41,16 @@ def test_load_run_gives_the_selected_checkpoint_and_its_recorded_accuracy(tmp_pa
         logits = model.apply(variables, np.asarray(images, np.float32), train=False)
         correct = int(np.sum(np.asarray(np.argmax(logits, -1)) == dataset.source.labels[env][k]))
         assert correct / len(k) == record[f"env{env}_{part}_acc"]
+    # docs/training.md's inference example, on this run.
+    with open(os.path.join(REPO, "docs", "training.md")) as f:
+        text = f.read()
+    (example,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "load_run" in b]
+    namespace = {}
+    example = example.replace('"workdirs/my-run"', repr(str(tmp_path)))
+    exec(compile(example, "docs/training.md:load_run", "exec"), namespace)
+    recorded = {r["step"]: r for r in train.read_records(str(tmp_path))}
+    assert namespace["record"] == recorded[namespace["record"]["step"]]
+    assert namespace["predicted_class"].shape == (4,)
 
 
 # ---- preprocess: a user's images become the batch the run's evaluation gives its model
