@@ -61,6 +61,9 @@ class Outputs(NamedTuple):
     features: jax.Array  # [N, d] pooled post-dropout features
     logits: jax.Array  # [N, C]
     batch_stats: Any  # passed through untouched
+    # ``classify(features) -> logits``: the network's classifier at this pass's parameters
+    # (``networks.classify``), for objectives that classify other features (RSC, SelfReg).
+    classify: Callable[[jax.Array], jax.Array] | None = None
 
 
 class Aux(NamedTuple):
@@ -85,7 +88,9 @@ class Step(NamedTuple):
     """What an objective's loss reads: ``hp`` its hyperparameters (defaults filled in),
     ``forward`` (call it once), ``images`` [N, H, W, C] and ``labels`` [N] of the
     ``num_domains`` minibatches in order, its ``state``, the ``step`` counter, ``key`` for
-    its random draws and ``advance`` (see :func:`objective_loss`)."""
+    its random draws, ``advance`` (see :func:`objective_loss`) and ``params``, the
+    parameters this pass evaluates (the method's own under ``params["method"]``,
+    ``sagm_jax.methods.networks``)."""
 
     hp: dict
     forward: Callable[[jax.Array], Outputs]
@@ -96,6 +101,7 @@ class Step(NamedTuple):
     step: jax.Array
     key: jax.Array
     advance: bool
+    params: Any = None
 
 
 def init_state(name: str, num_domains: int) -> dict:
@@ -118,7 +124,7 @@ def reset_optimizer_step(name: str, hp: dict) -> int | None:
 
 def objective_loss(
     name: str, hp: dict, forward, images, labels, *, num_domains: int, state: dict,
-    step, key, advance: bool,
+    step, key, advance: bool, params=None,
 ) -> tuple[jax.Array, Aux]:
     """The loss of ``objective`` on one step's batch, and its ``Aux``.
 
@@ -128,7 +134,8 @@ def objective_loss(
     updates before this one (IRM's and VREx's counter), ``key`` the objective's random
     draws (Mixup, CutMix). ``advance`` is True for the clean pass, whose state (GroupDRO's
     q) advances once per step; False for a second evaluation of the same step's loss,
-    which uses ``state`` (already advanced) as given.
+    which uses ``state`` (already advanced) as given. ``params`` are the parameters
+    ``forward`` evaluates at, for objectives that train modules of their own.
     """
     entry = objective(name)
     if images.shape[0] % num_domains:
@@ -136,7 +143,9 @@ def objective_loss(
             f"{images.shape[0]} rows do not split into {num_domains} equal domain minibatches"
         )
     hp = settings(entry.method, hp)
-    return entry.loss(Step(hp, forward, images, labels, num_domains, state, step, key, advance))
+    return entry.loss(
+        Step(hp, forward, images, labels, num_domains, state, step, key, advance, params)
+    )
 
 
 # ----------------------------------------------------------------------------

@@ -108,6 +108,9 @@ class Objective(NamedTuple):
     # (the config refuses fewer before a run): CORAL's unbiased covariance, IRM's halves.
     min_batch_per_env: int = 1
     min_batch_reason: str = ""
+    # The modules the method trains beside the network and its own prediction
+    # (``sagm_jax.methods.networks.MethodNetwork``); None for a loss of the network alone.
+    network: object = None
 
     @property
     def name(self) -> str:

@@ -15,7 +15,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from sagm_jax import models
+from sagm_jax.methods import networks
 from sagm_jax.data import device_augment, registry
 from sagm_jax.results.selection import training_domain_validation
 from sagm_jax.training.checkpoints import restore_swad_variables, restore_variables, saved_steps
@@ -40,10 +40,7 @@ def load_run(workdir: str, which: str | int = "best"):
     info = read_run_info(workdir)
     records = read_records(workdir)
     if which == "swad":
-        model = models.from_config(
-            config, info["num_classes"], info["input_shape"], jax.random.key(0), pretrained=False
-        )[0]
-        return model, restore_swad_variables(workdir), read_swad_record(workdir)
+        return _model(config, info), restore_swad_variables(workdir), read_swad_record(workdir)
     if which == "best":
         step = training_domain_validation(records, config.test_envs)["step"]
     elif which == "latest":
@@ -52,11 +49,17 @@ def load_run(workdir: str, which: str | int = "best"):
         step = int(which)
     if step is None:
         raise FileNotFoundError(f"{workdir} holds no checkpoint.")
-    model = models.from_config(
-        config, info["num_classes"], info["input_shape"], jax.random.key(0), pretrained=False
-    )[0]
+    model = _model(config, info)
     record = next((r for r in records if r["step"] == step), None)
     return model, restore_variables(workdir, step), record
+
+
+def _model(config, info):
+    """The run's network (with its method's prediction, ``methods.networks``)."""
+    return networks.from_config(
+        config, info["num_classes"], info["input_shape"], len(info["train_envs"]),
+        jax.random.key(0), pretrained=False,
+    )[0]
 
 
 def preprocess(workdir: str, images) -> np.ndarray:

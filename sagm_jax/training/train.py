@@ -44,9 +44,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 from sagm_jax import data as data_lib
-from sagm_jax import formatting, models
+from sagm_jax import formatting
 from sagm_jax.swad import averages as averaging
-from sagm_jax.methods import objectives
+from sagm_jax.methods import networks, objectives
 from sagm_jax.swad import valley as swad
 from sagm_jax.training.checkpoints import Checkpoints
 from sagm_jax.config import section, validate
@@ -163,8 +163,8 @@ def setup(config: ml_collections.ConfigDict) -> Program:
     test_envs, train_envs = _environments(config, dataset)
     mesh = _mesh(config, train_envs)
     init_key = jax.random.split(jax.random.key(config.seed))[0]
-    model, variables, weights = models.from_config(
-        config, dataset.num_classes, dataset.input_shape, init_key
+    model, variables, weights = networks.from_config(
+        config, dataset.num_classes, dataset.input_shape, len(train_envs), init_key
     )
     optimizer = optimizer_from_config(config, axis_name="batch", num_domains=len(train_envs))
     averages = None

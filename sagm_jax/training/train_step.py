@@ -55,7 +55,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from sagm_jax.swad import averages as averaging
-from sagm_jax.methods import objectives
+from sagm_jax.methods import networks, objectives
 from sagm_jax.methods.objectives import per_example_cross_entropy
 from sagm_jax.config import section
 from sagm_jax.data import device_augment
@@ -106,7 +106,9 @@ def cross_entropy(logits, labels) -> jax.Array:
 def _forward(model: nn.Module, params, batch_stats, key, mixstyle, train_batchnorm, compute_dtype):
     """``forward(images) -> objectives.Outputs(features, logits, batch_stats)``: one training
     pass at ``params``, dropout and MixStyle drawn from ``key``; the BatchNorm statistics it
-    returns are updated only with ``train_batchnorm``."""
+    returns are updated only with ``train_batchnorm`` or when the method's own modules
+    keep statistics (``networks.MethodModel``)."""
+    updates_statistics = train_batchnorm or getattr(model, "trains_statistics", False)
 
     def forward(images):
         dropout_key, mixstyle_key = jax.random.split(key)
@@ -120,10 +122,13 @@ def _forward(model: nn.Module, params, batch_stats, key, mixstyle, train_batchno
             mixstyle=mixstyle,
             features=True,
             rngs={"dropout": dropout_key, "mixstyle": mixstyle_key},
-            mutable=["batch_stats"] if train_batchnorm else False,
+            mutable=["batch_stats"] if updates_statistics else False,
         )
-        (features, logits), updated = outputs if train_batchnorm else (outputs, {})
-        return objectives.Outputs(features, logits, updated.get("batch_stats", batch_stats))
+        (features, logits), updated = outputs if updates_statistics else (outputs, {})
+        return objectives.Outputs(
+            features, logits, updated.get("batch_stats", batch_stats),
+            lambda other: networks.classify(params, other, compute_dtype),
+        )
 
     return forward
 
@@ -190,7 +195,7 @@ def make_train_step(
                 method.objective, method.hyperparameters,
                 forward_at(params, dropout_key, mixstyle), batch["image"], batch["label"],
                 num_domains=method.num_domains, state=objective_state, step=state.step,
-                key=objective_key, advance=advance,
+                key=objective_key, advance=advance, params=params,
             )
 
         opt_state = _restarted(optimizer, state, reset_step)

@@ -1,0 +1,172 @@
+"""Networks a method brings: their variables in the train state, and its prediction.
+
+Some methods train modules of their own beside the run's network (ARM's context
+network, MTL's domain-embedding classifier, SelfReg's projection) and some predict
+differently (ARM and MTL adapt to the evaluated batch). An objective declares them with
+a :class:`MethodNetwork` in its registry entry (``Objective.network``):
+
+* ``init(key, shapes, hp) -> {"params": ..., "batch_stats": ...}`` (``batch_stats``
+  only for modules with BatchNorm): the method's variables at step 0, drawn from the
+  run's seed. They live in the train state under the key ``"method"`` of the network's
+  ``params`` (and ``batch_stats``), so the update rule trains them with the network
+  (the sharpness-aware heads perturb them too), SWAD averages them, and checkpoints,
+  exact resume and ``load_run`` carry them with no code of their own. Flax ignores
+  variables a module does not declare, so the network reads its own as before.
+* ``predict(base, own, images, train, hp) -> ((features, logits), own_batch_stats)``,
+  optional: the method's prediction from ``base(x) -> (features, logits)`` (the run's
+  network on ``x`` at the same variables) and ``own`` (``{"params", "batch_stats"}``
+  under ``"method"``); ``own_batch_stats`` is the updated statistics of its own
+  BatchNorm layers in training mode (None when it has none). :class:`MethodModel` wraps
+  the network with it, so the train step's forward, the evaluator, the sharpness
+  curves, SWAD's BatchNorm pass and ``load_run`` all predict the method's way.
+* ``extra_input_channels``: channels the method prepends to the network's input (ARM's
+  context), so the network is built for ``channels + extra``.
+
+An objective's loss reads the method's parameters at the pass it evaluates from
+``Step.params["method"]`` (``sagm_jax.methods.objectives.Step``), and ``Outputs.classify``
+applies the network's own classifier to features (RSC, SelfReg).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+OWN = "method"  # the key of a method's variables in the network's params and batch_stats
+
+
+class Shapes(NamedTuple):
+    """What a method's modules are sized from: the network's input ``[H, W, C]`` (before
+    ``extra_input_channels``), its feature width, the classes and training domains."""
+
+    input_shape: tuple
+    feature_dim: int
+    num_classes: int
+    num_domains: int
+
+
+class MethodNetwork(NamedTuple):
+    """A method's own modules and prediction (see the module docstring)."""
+
+    init: Callable[[jax.Array, Shapes, dict], dict] | None = None
+    predict: Callable | None = None
+    extra_input_channels: int = 0
+
+
+def split_variables(variables: dict) -> tuple[dict, dict]:
+    """``(network's variables, method's variables)``: the method's under ``OWN`` in
+    ``params`` and ``batch_stats``, removed from the network's."""
+    network, own = {}, {}
+    for collection, tree in variables.items():
+        if isinstance(tree, dict) and OWN in tree:
+            network[collection] = {k: v for k, v in tree.items() if k != OWN}
+            own[collection] = tree[OWN]
+        else:
+            network[collection] = tree
+    return network, own
+
+
+def with_method_variables(variables: dict, own: dict) -> dict:
+    """``variables`` with the method's ``own`` variables added under ``OWN``."""
+    merged = dict(variables)
+    for collection, tree in own.items():
+        merged[collection] = {**merged.get(collection, {}), OWN: tree}
+    return merged
+
+
+def classify(params, features, compute_dtype=jnp.float32) -> jax.Array:
+    """The network's classifier (``params["classifier"]``, DomainBed's linear head) on
+    ``features`` [N, d]: ``features @ kernel + bias`` in ``compute_dtype``."""
+    head = params["classifier"]
+    return features.astype(compute_dtype) @ head["kernel"].astype(compute_dtype) + head[
+        "bias"
+    ].astype(compute_dtype)
+
+
+class MethodModel:
+    """The run's network predicting a method's way: ``apply`` takes the arguments of the
+    network's Flax ``apply`` (``variables, images, train, features, mutable``, the rest
+    passed through) and returns what it returns, with the method's variables under
+    ``OWN``; the method's BatchNorm statistics update in training mode."""
+
+    def __init__(self, model, network: MethodNetwork, hp: dict):
+        self.model, self.network, self.hp = model, network, hp
+        # The train step asks for updated statistics when this is True, even with the
+        # network's own BatchNorm frozen.
+        self.trains_statistics = True
+
+    def apply(self, variables, images, *, train: bool = False, features: bool = False,
+              mutable: Any = False, **kwargs):
+        base_variables, own = split_variables(variables)
+        updates = {}
+
+        def base(x):
+            out = self.model.apply(base_variables, x, train=train, features=True,
+                                   mutable=mutable, **kwargs)
+            if mutable:
+                out, updated = out
+                updates.update(updated)
+            return out
+
+        (feats, logits), own_stats = self.network.predict(base, own, images, train, self.hp)
+        out = (feats, logits) if features else logits
+        if not mutable:
+            return out
+        batch_stats = dict(updates.get("batch_stats", base_variables.get("batch_stats", {})))
+        if own_stats is not None:
+            batch_stats[OWN] = own_stats
+        elif "batch_stats" in own:
+            batch_stats[OWN] = own["batch_stats"]
+        return out, {"batch_stats": batch_stats}
+
+    def init(self, *args, **kwargs):
+        return self.model.init(*args, **kwargs)
+
+
+def input_shape_for(network: MethodNetwork | None, input_shape) -> tuple:
+    """The network's input shape with the method's extra channels."""
+    extra = 0 if network is None else network.extra_input_channels
+    return (*input_shape[:-1], input_shape[-1] + extra)
+
+
+def init_method_variables(network: MethodNetwork | None, key, shapes: Shapes, hp: dict) -> dict:
+    """The method's variables at step 0 (``{}`` for a method without modules)."""
+    if network is None or network.init is None:
+        return {}
+    return network.init(key, shapes, hp)
+
+
+def wrap(model, network: MethodNetwork | None, hp: dict):
+    """``model``, wrapped in :class:`MethodModel` when the method predicts its own way."""
+    if network is None or network.predict is None:
+        return model
+    return MethodModel(model, network, hp)
+
+
+def from_config(config, num_classes: int, input_shape, num_domains: int, key,
+                pretrained: bool = True):
+    """The run's network with its method's modules: ``(model, variables, weights_info)``
+    as ``sagm_jax.models.from_config`` returns them, the network built for the method's
+    extra input channels, the method's variables (from ``fold_in(key, 1)``) added under
+    ``OWN`` and the model wrapped for the method's prediction. Training and ``load_run``
+    both build the run's network here."""
+    from sagm_jax import models
+    from sagm_jax.methods.registry import objective
+
+    entry = objective(config.get("objective", "erm"))
+    # A run written before a hyperparameter existed reads its default.
+    hp = {h.key: config.get(h.key, h.default) for h in entry.method.hyperparameters}
+    network = entry.network
+    shape = input_shape_for(network, input_shape)
+    model, variables, weights = models.from_config(config, num_classes, shape, key, pretrained)
+    if network is not None and network.init is not None:
+        features, _ = jax.eval_shape(
+            lambda v: model.apply(v, jnp.zeros((1, *shape)), train=False, features=True),
+            variables,
+        )
+        shapes = Shapes(tuple(input_shape), features.shape[-1], num_classes, num_domains)
+        own = init_method_variables(network, jax.random.fold_in(key, 1), shapes, hp)
+        variables = with_method_variables(variables, own)
+    return wrap(model, network, hp), variables, weights
