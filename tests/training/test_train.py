@@ -89,11 +89,11 @@ def test_image_folder_with_pretrained_resnet18(tmp_path):
 
 @pytest.mark.slow
 def test_all_test_envs_runs_each_environment(tmp_path, capsys):
-    write_image_tree(tmp_path / "data", n=3)
+    write_image_tree(tmp_path / "data", domains=("art", "photo"), n=3)
     config = tiny_folder_config(tmp_path, steps=1, all_test_envs=True)
     table = train.train_and_evaluate(config, str(tmp_path / "run"))
-    assert sorted(table) == [0, 1, 2]
-    for env in range(3):
+    assert sorted(table) == [0, 1]
+    for env in range(2):
         assert os.path.exists(tmp_path / "run" / f"test_env{env}" / "done")
     assert "test accuracy (training-domain validation)" in capsys.readouterr().out
 
@@ -156,6 +156,7 @@ def _main_command(workdir, *overrides):
         "--config.eval_every=3",
         "--config.batch_per_env=4",
         "--config.eval_batch_size=64",
+        "--config.cnn_widths=16,32,32,32",
         *overrides,
     ]
 
@@ -215,15 +216,12 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path, dataset
             "--config.swad_tolerance_ratio=100",
         ],
     }[dataset]
-    whole_run = subprocess.run(
-        command(tmp_path / "whole", *overrides),
-        env=_run_env(),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
+    # The uninterrupted run and the one to kill run side by side (the test's time).
+    whole_out, whole_err = open(tmp_path / "whole.out", "w+"), open(tmp_path / "whole.err", "w+")
+    whole_run = subprocess.Popen(
+        command(tmp_path / "whole", *overrides), env=_run_env(), cwd=REPO, stdout=whole_out,
+        stderr=whole_err,
     )
-    assert whole_run.returncode == 0, whole_run.stderr[-3000:]
-    assert ("TensorFlow is not installed" in whole_run.stdout) == folder
     killed = tmp_path / "killed"
     process = subprocess.Popen(
         command(killed, *overrides),
@@ -238,6 +236,10 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path, dataset
     process.send_signal(signal.SIGKILL)
     process.wait()
     records_at_kill = len(train.read_records(str(killed)))
+    whole_run.wait(timeout=600)
+    whole_out.close(), whole_err.close()
+    assert whole_run.returncode == 0, (tmp_path / "whole.err").read_text()[-3000:]
+    assert ("TensorFlow is not installed" in (tmp_path / "whole.out").read_text()) == folder
     assert not os.path.exists(killed / "done") and 3 <= records_at_kill < 9
     resumed = subprocess.run(
         command(killed, *overrides),
@@ -369,15 +371,14 @@ def test_two_processes_killed_and_resumed_give_the_two_device_run(tmp_path):
     one device each, killed after a few evaluations and relaunched, against one process
     with two devices. After the restore every process must take the same checkpoint
     decisions (a save entered by one process alone hangs in orbax's barrier)."""
-    overrides = ["--config.steps=8", "--config.eval_every=1", "--config.cnn_widths=16,32,32,32"]
+    overrides = ["--config.steps=8", "--config.eval_every=1"]
     env = _run_env()
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-    subprocess.run(
-        _main_command(tmp_path / "single", *overrides),
-        check=True,
-        env=env,
-        cwd=REPO,
-        capture_output=True,
+    # The two-device run and the two processes to kill run side by side (the test's time).
+    single_err = open(tmp_path / "single.err", "w")
+    single_run = subprocess.Popen(
+        _main_command(tmp_path / "single", *overrides), env=env, cwd=REPO,
+        stdout=subprocess.DEVNULL, stderr=single_err,
     )
     port = 20000 + os.getpid() % 20000
     workers = _two_processes(tmp_path / "multi", overrides, port)
@@ -392,6 +393,9 @@ def test_two_processes_killed_and_resumed_give_the_two_device_run(tmp_path):
     outputs = [w.communicate(timeout=600)[0] for w in workers]
     assert [w.returncode for w in workers] == [0, 0], [o[-3000:] for o in outputs]
     assert all("resumed at step" in o for o in outputs)
+    single_run.wait(timeout=600)
+    single_err.close()
+    assert single_run.returncode == 0, (tmp_path / "single.err").read_text()[-3000:]
     single = train.read_records(str(tmp_path / "single"))
     multi = train.read_records(str(tmp_path / "multi"))
     assert [r["step"] for r in multi] == list(range(8))
