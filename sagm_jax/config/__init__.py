@@ -26,6 +26,7 @@ import ml_collections
 from sagm_jax.data.registry import DATASETS
 from sagm_jax.formatting import flag_value
 from sagm_jax.models import ARCHS, WEIGHTS_FILES, weights_url
+from sagm_jax.models.mixstyle import MIXES as MIXSTYLE_MIXES
 from sagm_jax.models.resnet import ARCHITECTURES as RESNET_ARCHS, MIXSTYLE_STAGES
 from sagm_jax.models.torchvision_weights import ACCEPTED_FORMATS, weights_file_problem
 from sagm_jax.methods.registry import (
@@ -216,6 +217,13 @@ FIELDS: dict[str, tuple[Field, ...]] = {
             0.1,
             "MixStyle's Beta(alpha, alpha) mixing weights",
             checks.number("> 0"),
+        ),
+        Field(
+            "mixstyle_mix",
+            "random",
+            '"random" (MixStyle: a permutation of the batch) or "crossdomain" (the SAGM '
+            "repository's Mixstyle2: halves of consecutive domains)",
+            checks.OneOf(MIXSTYLE_MIXES),
         ),
         Field(
             "cnn_widths",
@@ -441,7 +449,7 @@ def config_problems(
             "config.mixstyle=True: MixStyle sits between ResNet stages; "
             "config.arch=mnist_cnn has none."
         )
-    problems += method_problems(config)
+    problems += method_problems(config) + crossdomain_mixstyle_problems(config)
     weights = weights_problem(config, check_files)
     return problems + ([weights] if weights else [])
 
@@ -480,6 +488,27 @@ def method_problems(config: ml_collections.ConfigDict) -> list[str]:
             f"{entry.min_batch_per_env} or more."
         )
     return [p for p in problems + [mldg_problem(config)] if p]
+
+
+def crossdomain_mixstyle_problems(config: ml_collections.ConfigDict) -> list[str]:
+    """Crossdomain MixStyle pairs halves of consecutive domains' minibatches by their
+    rows (``sagm_jax.models.mixstyle``): it needs an even ``batch_per_env``, the whole
+    batch in one forward (not ``perturbation=per_device``'s shards) and every domain in
+    it (the procedures forward one domain at a time)."""
+    if not (config.get("mixstyle") is True and config.get("mixstyle_mix") == "crossdomain"):
+        return []
+    batch, flag = config.get("batch_per_env"), "config.mixstyle_mix=crossdomain"
+    problems = []
+    if checks.is_int(batch) and batch % 2:
+        problems.append(f"{flag} with config.batch_per_env={batch}: each domain's minibatch "
+                        "is cut in two halves; use an even batch_per_env.")
+    if config.get("perturbation") == "per_device":
+        problems.append(f"{flag} with config.perturbation=per_device: a shard holds part of "
+                        "each domain; use --config.perturbation=global.")
+    if config.get("algorithm") in rule_names("procedure"):
+        problems.append(f"{flag} with config.algorithm={config.get('algorithm')}: the "
+                        "procedures forward one domain at a time; use another update rule.")
+    return problems
 
 
 def training_environments(config: ml_collections.ConfigDict) -> int | None:

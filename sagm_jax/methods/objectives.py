@@ -1,10 +1,11 @@
 """The objectives: the loss one train step minimises from the per-domain minibatches.
 
-This module owns every objective (ERM, Mixup, CutMix, CORAL, MMD, GroupDRO, IRM, VREx),
-each a loss function with its registry entry beside it (``registry.register_objective``),
-as DomainBed's ``domainbed/algorithms.py`` and, for CutMix, the SAGM authors'
-``Wang-pengfei/SAGM``, ``domainbed/algorithms/algorithms.py``, state them; their random
-draws (Mixup's pairs and weights, CutMix's coin, box and permutation), their
+This module owns every objective (ERM, Mixup, CutMix, OrgMixup, CORAL, MMD, GroupDRO, IRM,
+VREx), each a loss function with its registry entry beside it
+(``registry.register_objective``), as DomainBed's ``domainbed/algorithms.py`` and, for
+CutMix and OrgMixup, the SAGM authors' ``Wang-pengfei/SAGM``,
+``domainbed/algorithms/algorithms.py``, state them; their random draws (Mixup's pairs
+and weights, CutMix's coin, box and permutation, OrgMixup's permutation and weight), their
 penalties (public: ``coral_penalty``, ``mmd_penalty``, ``pairwise_penalty``,
 ``irm_penalty``) and their state (GroupDRO's ``q``; IRM's and VREx's anneal reads the
 step counter, and ``reset_optimizer_step`` tells the train step when Adam restarts).
@@ -18,7 +19,7 @@ closure, which it calls exactly ONCE on all N = M*b rows:
   except for the dropout draws, whose distribution is the same.
 * Mixup forwards the M mixed pairs (b rows each) concatenated in one call, equal to the
   reference's M separate forwards under the same proviso.
-* CutMix forwards the pasted batch.
+* CutMix forwards the pasted batch, OrgMixup the mixed batch (as the reference).
 
 Per-domain statistics reshape the batch to [M, b, ...]. Under ``jax.jit`` with the batch
 sharded over devices that reshape is of the GLOBAL batch, so means, covariances, kernels
@@ -314,6 +315,46 @@ register_objective(Objective(
     ), "one box pasted from a shuffled batch, labels mixed by the box's area",
         "SAGM repository (Yun et al. 2019)"),
     _cutmix,
+))
+
+
+# ----------------------------------------------------------------------------
+# OrgMixup (the SAGM repository's ``OrgMixup``: Mixup of the whole batch, domains ignored).
+
+
+def org_mixup_draws(key, n: int, alpha: float):
+    """``(perm, lam)``: a random permutation of the n rows of the concatenated batch
+    (across domains; i may map to i, as ``torch.randperm``) and ONE weight
+    lam ~ Beta(alpha, alpha) for the whole batch."""
+    perm_key, lam_key = jax.random.split(key)
+    perm = jax.random.permutation(perm_key, n).astype(jnp.int32)
+    lam = jax.random.beta(lam_key, alpha, alpha).astype(jnp.float32)
+    return perm, lam
+
+
+def _org_mixup(args: Step):
+    """X~ = lam X + (1 - lam) X[perm];
+    L = lam CE(f(X~), Y) + (1 - lam) CE(f(X~), Y[perm]) (means over all N rows), the
+    reference's loss. ``domain_losses`` are the per-domain means of the per-row loss
+    (their mean is L)."""
+    perm, lam = org_mixup_draws(args.key, args.images.shape[0], args.hp["mixup_alpha"])
+    x = args.images.astype(jnp.float32)
+    mixed = lam * x + (1.0 - lam) * x[perm]
+    out = args.forward(mixed.astype(args.images.dtype))
+    per_row = lam * per_example_cross_entropy(out.logits, args.labels) + (
+        1.0 - lam) * per_example_cross_entropy(out.logits, args.labels[perm])
+    loss = per_row.mean()
+    return loss, make_aux(args, out, {"loss": loss}, by_domain(per_row, args.num_domains).mean(1))
+
+
+register_objective(Objective(
+    Method("org_mixup", "OrgMixup", (
+        # Mixup's key and default; the SAGM repository draws 10^U(-1,-1), always 0.1.
+        Hyperparameter("mixup_alpha", 0.2, "Mixup's Beta(alpha, alpha) for the mixing weight",
+                       "> 0", log_uniform(-1, -1)),
+    ), "Mixup of the whole batch across domains: one Beta weight, a random row permutation",
+        "SAGM repository (Zhang et al. 2018)"),
+    _org_mixup,
 ))
 
 

@@ -24,7 +24,7 @@ import os
 import flax.linen as nn
 import jax.numpy as jnp
 
-from sagm_jax.models.mixstyle import MixStyle
+from sagm_jax.models.mixstyle import MIXES, MixStyle
 from sagm_jax.models.mnist_cnn import MnistCNN
 from sagm_jax.models.resnet import ARCHITECTURES, MIXSTYLE_STAGES, ResNet
 from sagm_jax.models.torchvision_weights import (
@@ -68,6 +68,8 @@ def create(
     mixstyle_after: tuple[int, ...] = (),
     mixstyle_p: float = 0.5,
     mixstyle_alpha: float = 0.1,
+    mixstyle_mix: str = "random",
+    mixstyle_domain_rows: int = 0,
     input_channels: int = 3,
     cnn_widths: tuple[int, ...] | None = None,
 ) -> nn.Module:
@@ -75,9 +77,10 @@ def create(
 
     ``cnn_widths`` sets the MNIST CNN's four conv widths (DomainBed's by default).
     ``freeze_batchnorm``, ``mixstyle_after`` (stages from 1, 2, 3) and the MixStyle
-    layers' probability ``mixstyle_p`` and Beta parameter ``mixstyle_alpha`` apply to the
-    ResNets; the MNIST CNN has GroupNorm and no MixStyle, so it rejects a
-    non-empty ``mixstyle_after``.
+    layers' probability ``mixstyle_p``, Beta parameter ``mixstyle_alpha`` and pairing
+    ``mixstyle_mix`` ("random", or "crossdomain" over domains of ``mixstyle_domain_rows``
+    rows each: ``sagm_jax.models.mixstyle``) apply to the ResNets; the MNIST CNN has
+    GroupNorm and no MixStyle, so it rejects a non-empty ``mixstyle_after``.
     """
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {list(ARCHS)}")
@@ -96,12 +99,16 @@ def create(
         return MnistCNN(**head, **widths)
     if bad := [stage for stage in mixstyle_after if stage not in MIXSTYLE_STAGES]:
         raise ValueError(f"mixstyle_after may only name ResNet stages {MIXSTYLE_STAGES}, got {bad}")
+    if mixstyle_mix not in MIXES:
+        raise ValueError(f"mixstyle_mix={mixstyle_mix!r}: expected one of {', '.join(MIXES)}")
     return ResNet(
         arch=arch,
         freeze_batchnorm=freeze_batchnorm,
         mixstyle_after=mixstyle_after,
         mixstyle_p=mixstyle_p,
         mixstyle_alpha=mixstyle_alpha,
+        mixstyle_mix=mixstyle_mix,
+        mixstyle_domain_rows=mixstyle_domain_rows,
         **head,
     )
 
@@ -118,6 +125,10 @@ def from_config(config, num_classes: int, input_shape, key, pretrained: bool = T
         mixstyle_after=tuple(config.mixstyle_after) if config.mixstyle else (),
         mixstyle_p=config.mixstyle_p,
         mixstyle_alpha=config.mixstyle_alpha,
+        # Runs written before crossdomain MixStyle existed read the random one.
+        mixstyle_mix=config.get("mixstyle_mix", "random"),
+        # The training batch is the M domains' minibatches of batch_per_env rows each.
+        mixstyle_domain_rows=config.batch_per_env,
         input_channels=input_shape[-1],
         cnn_widths=tuple(config.cnn_widths),
     )

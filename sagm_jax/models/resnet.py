@@ -206,6 +206,8 @@ class ResNet(nn.Module):
       freeze_batchnorm: use and keep the running statistics (see module docstring).
       mixstyle_after: stages (from 1, 2, 3) after which a MixStyle layer sits.
       mixstyle_p, mixstyle_alpha: each MixStyle layer's probability and Beta parameter.
+      mixstyle_mix: whose statistics a row mixes with ("random" or "crossdomain",
+        ``sagm_jax.models.mixstyle``); mixstyle_domain_rows: crossdomain's rows per domain.
       input_channels: channels the images must have (3 for torchvision weights).
     """
 
@@ -216,6 +218,8 @@ class ResNet(nn.Module):
     mixstyle_after: Sequence[int] = ()
     mixstyle_p: float = 0.5
     mixstyle_alpha: float = 0.1
+    mixstyle_mix: str = "random"
+    mixstyle_domain_rows: int = 0
     input_channels: int = 3
 
     @nn.compact
@@ -242,7 +246,11 @@ class ResNet(nn.Module):
                 stride = 2 if stage > 1 and index == 0 else 1
                 x = block_class(width, stride, use_running_average, name=f"layer{stage}_{index}")(x)
             if stage in self.mixstyle_after:
-                x = MixStyle(self.mixstyle_p, self.mixstyle_alpha, name=f"mixstyle{stage}")(
-                    x, active=train and mixstyle
-                )
+                x = MixStyle(
+                    self.mixstyle_p,
+                    self.mixstyle_alpha,
+                    mix=self.mixstyle_mix,
+                    domain_rows=self.mixstyle_domain_rows,
+                    name=f"mixstyle{stage}",
+                )(x, active=train and mixstyle)
         return classifier_head(x, self.num_classes, self.dropout_rate, train, features=features)

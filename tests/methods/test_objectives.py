@@ -493,3 +493,58 @@ def test_one_and_eight_devices_agree(objective):
         scale = float(np.abs(grad_one[key]).max())
         tolerance = 1e-4 if objective == "mmd" else 1e-5
         close(grad_eight[key], np.asarray(grad_one[key]), rtol=1e-5, atol=tolerance * scale)
+
+
+# ----------------------------------------------------------------------------
+# OrgMixup (the SAGM repository's ``OrgMixup``): one weight, a permutation of all rows.
+
+
+def test_org_mixup_draws_permute_every_row_with_one_weight():
+    keys = jax.random.split(jax.random.PRNGKey(0), 200)
+    perms, lams = jax.jit(jax.vmap(lambda k: objectives.org_mixup_draws(k, 12, 0.2)))(keys)
+    perms, lams = np.asarray(perms), np.asarray(lams)
+    assert perms.shape == (200, 12) and lams.shape == (200,)
+    for perm in perms:
+        assert sorted(perm) == list(range(12))
+    # Across domains (rows 0..3 of domain 0 reach the other domains' rows), i may map to i.
+    assert (perms[:, :4] >= 4).any() and (perms == np.arange(12)).any()
+    assert lams.min() >= 0 and lams.max() <= 1 and abs(lams.mean() - 0.5) < 0.1
+    assert np.mean((lams < 0.1) | (lams > 0.9)) > 0.4  # Beta(0.2, 0.2)
+
+
+def np_org_mixup(p, images, labels, perm, lam, m):
+    """The reference's update in float64: x~ = lam x + (1 - lam) x[perm]; L = lam CE(y) +
+    (1 - lam) CE(y[perm]); its gradient by hand for the linear network
+    (dL/dlogits = (softmax - lam onehot(y) - (1 - lam) onehot(y[perm])) / N)."""
+    x = np.asarray(images, np.float64).reshape(len(images), -1)
+    mixed = lam * x + (1 - lam) * x[perm]
+    features = mixed @ p["w1"]
+    logits = features @ p["w2"]
+    per_row = (lam * np_cross_entropy(logits, labels)
+               + (1 - lam) * np_cross_entropy(logits, labels[perm]))
+    onehot = np.eye(CLASSES)
+    target = lam * onehot[labels] + (1 - lam) * onehot[labels[perm]]
+    dlogits = (np_softmax(logits) - target) / len(x)
+    grads = {"w2": features.T @ dlogits, "w1": mixed.T @ (dlogits @ p["w2"].T)}
+    return per_row.mean(), per_row.reshape(m, -1).mean(axis=1), grads
+
+
+def test_org_mixup_loss_and_gradient_with_the_drawn_permutation():
+    params, m, b = make_params(), 3, 4
+    images, labels = make_batch(m, b)
+    key, hp = jax.random.PRNGKey(12), {"mixup_alpha": 0.5}
+    (loss, aux), grads = jax.value_and_grad(
+        lambda q: run("org_mixup", q, images, labels, m, hp=hp, key=key), has_aux=True
+    )(params)
+    perm, lam = (np.asarray(v) for v in objectives.org_mixup_draws(key, m * b, 0.5))
+    assert 0.05 < lam < 0.95 and sorted(perm) == list(range(m * b))
+    expected, domains, expected_grads = np_org_mixup(
+        np_params(params), images, labels, perm, np.float64(lam), m
+    )
+    close(loss, expected)
+    close(aux.domain_losses, domains)
+    close(aux.metrics["loss"], expected)
+    for name in ("w1", "w2"):
+        close(grads[name], expected_grads[name], rtol=1e-4, atol=1e-6)
+    # The default weight is Mixup's (the registry shares the key).
+    assert methods.OBJECTIVES["org_mixup"].method.hyperparameters[0].default == 0.2

@@ -1,11 +1,14 @@
-"""MixStyle: the mixing formula against NumPy, when it acts, its randomness, its gradient."""
+"""MixStyle: the mixing formula against NumPy, when it acts, its randomness, its gradient;
+crossdomain MixStyle (the SAGM repository's Mixstyle2) against the reference's pairs."""
 
 import jax
+import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from sagm_jax import models
+from sagm_jax.models import mixstyle
 from sagm_jax.models.mixstyle import MixStyle, mix_statistics
 
 
@@ -128,3 +131,125 @@ def test_resnet_mixstyle_only_when_training_and_asked():
         np.testing.assert_allclose(clean_pass, plain, rtol=1e-6, atol=1e-6)
         np.testing.assert_array_equal(eval_asked, plain)
     assert any(not np.allclose(perturbed, plain) for _, _, perturbed in outputs)
+
+
+# ----------------------------------------------------------------------------
+# Crossdomain MixStyle: the SAGM repository's ``Mixstyle2`` (its ``pair_batches`` and
+# ``MixStyle2``, ``domainbed/algorithms/algorithms.py`` and ``domainbed/models/mixstyle.py``).
+
+
+def numpy_mixstyle2(x, lam, applied, first_shuffles, second_shuffles, b, eps=1e-6):
+    """The reference's M forwards in float64. Pair i = (first half of domain i, second
+    half of domain (i+1) mod M), B = b rows; in each, its ``MixStyle2``: with
+    perm = [B-1, ..., 0] cut in halves perm_b = [B-1..B/2], perm_a = [B/2-1..0], the pair
+    takes the partners cat(perm_b[r_b], perm_a[r_a]) with the shuffles r_b, r_a (one
+    coin per pair). Returns the restyled batch in the rows' own order."""
+    x = np.asarray(x, np.float64)
+    m, half = len(x) // b, b // 2
+    out = x.copy()
+    for i in range(m):
+        j = (i + 1) % m
+        rows = np.r_[i * b : i * b + half, j * b + half : (j + 1) * b]
+        if not applied[i]:
+            continue
+        reverse = np.arange(b - 1, -1, -1)
+        perm_b, perm_a = reverse[:half], reverse[half:]
+        local = np.concatenate([perm_b[first_shuffles[i]], perm_a[second_shuffles[i]]])
+        out[rows] = numpy_mixstyle(x[rows], lam[rows], local, eps)[0]
+    return out
+
+
+def reference_shuffles(perm, m, b):
+    """The shuffles r_b, r_a of each pair that give the layer's partners ``perm``: a
+    first-half row k whose partner is local row q >= B/2 has r_b[k] = B-1-q; a second-half
+    row k with partner q < B/2 has r_a[k] = B/2-1-q. Each must be a permutation of the
+    B/2 positions (the reference's structure: halves of the pair only)."""
+    half, firsts, seconds = b // 2, [], []
+    for i in range(m):
+        j = (i + 1) % m
+        rows = np.r_[i * b : i * b + half, j * b + half : (j + 1) * b]
+        local = {int(row): index for index, row in enumerate(rows)}
+        partners = np.array([local[int(perm[row])] for row in rows])  # KeyError: left the pair
+        first, second = b - 1 - partners[:half], half - 1 - partners[half:]
+        assert sorted(first) == list(range(half)) and sorted(second) == list(range(half))
+        firsts.append(first)
+        seconds.append(second)
+    return firsts, seconds
+
+
+def test_crossdomain_matches_the_reference_pairs_with_its_own_draws():
+    m, b = 3, 4
+    x = features(4, shape=(m * b, 5, 4, 3))
+    layer = MixStyle(p=0.5, alpha=0.3, mix="crossdomain", domain_rows=b)
+    run = jax.jit(lambda key: layer.apply(
+        {}, jnp.asarray(x), active=True, rngs={"mixstyle": key}, mutable=["intermediates"]))
+    coins = []
+    for key in jax.random.split(jax.random.PRNGKey(5), 8):
+        out, state = run(key)
+        (draws,) = state["intermediates"]["draws"]
+        lam, perm, applied = (np.asarray(draws[k]) for k in ("lam", "perm", "applied"))
+        assert applied.shape == (m,) and np.all((lam >= 0) & (lam <= 1))
+        firsts, seconds = reference_shuffles(perm, m, b)
+        expected = numpy_mixstyle2(x, lam.astype(np.float64), applied, firsts, seconds, b)
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+        coins.append(applied)
+    # One coin per pair: some call restyles one pair and leaves another.
+    assert any(c.any() and not c.all() for c in coins)
+
+
+def test_crossdomain_partners_are_every_cross_pair_row_over_many_draws():
+    m, b = 2, 4
+    keys = jax.random.split(jax.random.PRNGKey(0), 300)
+    perms = np.asarray(jax.vmap(lambda k: mixstyle.crossdomain_partners(k, m, b))(keys))
+    # Row 0 (domain 0, first half) takes domain 1's second half, rows 6 and 7, evenly;
+    # row 6 takes domain 0's first half, rows 0 and 1; row 2 (domain 0, second half) is
+    # pair 1's and takes domain 1's first half, rows 4 and 5.
+    for row, allowed in ((0, {6, 7}), (6, {0, 1}), (2, {4, 5})):
+        counts = np.bincount(perms[:, row], minlength=m * b)
+        assert set(np.flatnonzero(counts)) == allowed
+        assert counts[min(allowed)] > 100 and counts[max(allowed)] > 100  # Binomial(300, 1/2)
+
+
+def test_crossdomain_refuses_a_batch_it_cannot_pair():
+    x = jnp.asarray(features(shape=(6, 5, 4, 3)))
+    rngs = {"mixstyle": jax.random.PRNGKey(0)}
+    for rows in (3, 4, 0):  # odd; 6 rows are not whole domains of 4; unknown
+        with pytest.raises(ValueError, match="even number of rows per domain"):
+            MixStyle(mix="crossdomain", domain_rows=rows).apply({}, x, active=True, rngs=rngs)
+    with pytest.raises(ValueError, match="expected one of random, crossdomain"):
+        MixStyle(mix="bogus").apply({}, x, active=True, rngs=rngs)
+
+
+def test_config_passes_crossdomain_to_the_resnet_and_refuses_what_it_cannot_pair():
+    from sagm_jax import config as config_lib
+
+    config = config_lib.base_config()
+    config.update(arch="resnet18", pretrained_weights="none", mixstyle=True,
+                  mixstyle_mix="crossdomain", mixstyle_after=(1,), batch_per_env=2,
+                  algorithm="erm", dataset="PACS", dropout=0.0)
+    assert not config_lib.config_problems(config)
+    built = {}
+
+    def build():  # traced only: the network from the config, without running it
+        built["model"], variables, _ = models.from_config(
+            config, 3, (32, 32, 3), jax.random.PRNGKey(0), pretrained=False)
+        return variables
+
+    variables, seen = jax.eval_shape(build), []
+
+    def record(call, args, kwargs, context):
+        if isinstance(context.module, MixStyle):
+            seen.append((context.module.mix, context.module.domain_rows))
+        return call(*args, **kwargs)
+
+    with nn.intercept_methods(record):
+        jax.eval_shape(lambda v: built["model"].apply(
+            v, jnp.zeros((6, 32, 32, 3)), train=True, mixstyle=True,
+            rngs={"mixstyle": jax.random.PRNGKey(1)}), variables)
+    assert seen == [("crossdomain", 2)]  # one layer, after stage 1, 3 domains of 2 rows
+    config.update(batch_per_env=3, perturbation="per_device", algorithm="fish")
+    problems = "\n".join(config_lib.config_problems(config))
+    for expected in ("batch_per_env=3", "perturbation=per_device", "algorithm=fish"):
+        assert f"config.mixstyle_mix=crossdomain with config.{expected}" in problems
+    config.mixstyle_mix = "bogus"
+    assert "config.mixstyle_mix=bogus" in "\n".join(config_lib.config_problems(config))
