@@ -31,6 +31,8 @@ network at step 0) and are trained, perturbed and averaged with the network.
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 
@@ -128,7 +130,7 @@ def init_projection(key, feature_dim: int) -> dict:
     and bias ~ U(-1/sqrt(n_in), 1/sqrt(n_in)); each ``BatchNorm1d`` scale 1, bias 0."""
     widths = projection_widths(feature_dim)
     params = {}
-    for i, (n_in, n_out) in enumerate(zip(widths[:-1], widths[1:])):
+    for i, (n_in, n_out) in enumerate(itertools.pairwise(widths)):
         kernel_key, bias_key = jax.random.split(jax.random.fold_in(key, i))
         bound = 1.0 / float(n_in) ** 0.5
         params[f"linear_{i}"] = {

@@ -15,13 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from run_fixtures import digits_config
 
 from sagm_jax import methods
 from sagm_jax.methods import objectives, representation
 from sagm_jax.methods.objectives import Outputs
 from sagm_jax.training import loading, train
-
-from run_fixtures import digits_config
 
 HEIGHT, WIDTH, DIM, CLASSES = 2, 5, 6, 3
 
@@ -55,7 +54,7 @@ def make_forward(params):
     return forward
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted_loss_and_grad(name, hp_items, m, advance):
     """One compiled value-and-grad per objective, hyperparameters, M and pass."""
 
@@ -245,7 +244,7 @@ def test_selfreg_trained_projection_gets_its_gradient():
                                                     {"selfreg_projection": "frozen"}) == {}
     params = {**params, "method": own["params"]}
     key = jax.random.PRNGKey(9)
-    (loss, aux), grad = loss_and_grad("selfreg", params, images, labels, m, hp=hp,
+    (loss, _), grad = loss_and_grad("selfreg", params, images, labels, m, hp=hp,
                                       state=objectives.init_state("selfreg", m), key=key)
     base = {k: v for k, v in params.items() if k != "method"}
     expected, (expected_grad, expected_projection) = reference_value_and_grad(
@@ -261,8 +260,8 @@ def test_selfreg_trained_projection_gets_its_gradient():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", [dict(objective="rsc", algorithm="sagm"),
-                                    dict(objective="selfreg", swad=True)],
+@pytest.mark.parametrize("method", [{"objective": "rsc", "algorithm": "sagm"},
+                                    {"objective": "selfreg", "swad": True}],
                          ids=lambda m: "-".join(map(str, m.values())))
 def test_trains_end_to_end(tmp_path, method):
     records = train.train_and_evaluate(digits_config(steps=3, eval_every=1, **method),
