@@ -32,4 +32,4 @@ from sagm_jax.methods.registry import (  # noqa: F401
     uniform,
     update_rule,
 )
-from sagm_jax.methods import objectives, procedures, update_rules  # noqa: F401,E402  (registers)
+from sagm_jax.methods import objectives, procedures, update_rules, adaptive  # noqa: F401,E402  (registers)
