@@ -218,7 +218,8 @@ def _mtl_predict(base, own, images, train, hp, mask=None):
     if train:
         return (features, logits), None
     if hp["mtl_embedding"] == "noise":
-        embedding = jax.random.normal(jax.random.PRNGKey(EVAL_NOISE_SEED), features.shape)
+        embedding = jax.random.normal(jax.random.PRNGKey(EVAL_NOISE_SEED), features.shape,
+                                      jnp.float32)
     else:
         rows = jnp.zeros(features.shape[0], jnp.int32)
         embedding = group_mean(features, rows, 1, mask)
@@ -240,7 +241,7 @@ def _mtl(args: Step):
     stored = out.batch_stats["method"]["embeddings"]
     current = ema * features.mean(axis=1) + (1.0 - ema) * stored
     if args.hp["mtl_embedding"] == "noise":
-        embedding = jax.random.normal(args.key, features.shape)
+        embedding = jax.random.normal(args.key, features.shape, jnp.float32)
     else:
         embedding = jnp.broadcast_to(current[:, None, :], features.shape)
     logits = mtl_classify(args.params["method"]["classifier"], features, embedding)
