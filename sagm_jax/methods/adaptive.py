@@ -34,6 +34,7 @@ from sagm_jax.methods.objectives import (
     per_example_cross_entropy,
 )
 from sagm_jax.methods.registry import (
+    Distribution,
     Hyperparameter,
     Method,
     Objective,
@@ -253,10 +254,12 @@ def _mtl(args: Step):
     return loss, make_aux(args, out, {"loss": loss}, losses)
 
 
+# DomainBed's r.choice([0.5, 0.9, 0.99, 1.]), written as its values print.
+_MTL_EMA_DRAW = Distribution("{0.5, 0.9, 0.99, 1.0}", choice((0.5, 0.9, 0.99, 1.0)).draw)
 register_objective(Objective(
     Method("mtl", "MTL", (
         Hyperparameter("mtl_ema", 0.99, "weight of the batch mean in MTL's domain-embedding EMA",
-                       "[0, 1]", choice((0.5, 0.9, 0.99, 1.0))),
+                       "[0, 1]", _MTL_EMA_DRAW),
         Hyperparameter(
             "mtl_embedding", "noise",
             'MTL\'s embedding input: "noise" (DomainBed\'s .normal_() overwrites it with '
