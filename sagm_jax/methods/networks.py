@@ -19,8 +19,8 @@ a :class:`MethodNetwork` in its registry entry (``Objective.network``):
   BatchNorm layers in training mode (None when it has none). :class:`MethodModel` wraps
   the network with it, so the train step's forward, the evaluator, the sharpness
   curves, SWAD's BatchNorm pass and ``load_run`` all predict the method's way.
-* ``extra_input_channels``: channels the method prepends to the network's input (ARM's
-  context), so the network is built for ``channels + extra``.
+* ``extra_input_channels``: channels the method adds to the network's input (ARM's
+  context, the last channel), so the network is built for ``channels + extra``.
 * ``uses_mask``: ``predict`` also takes ``mask=`` ([N] bool, False on an evaluation
   batch's padding rows, None when every row is real), for a prediction that pools over
   the batch (ARM, MTL); ``MethodModel.apply(..., mask=...)`` passes it on.
