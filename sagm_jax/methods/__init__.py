@@ -32,4 +32,6 @@ from sagm_jax.methods.registry import (  # noqa: F401
     uniform,
     update_rule,
 )
-from sagm_jax.methods import objectives, procedures, update_rules, representation  # noqa: F401,E402  (registers)
+from sagm_jax.methods import (  # noqa: F401,E402  (each registers its entries)
+    objectives, procedures, update_rules, representation, adaptive,
+)

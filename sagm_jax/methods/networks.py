@@ -19,8 +19,14 @@ a :class:`MethodNetwork` in its registry entry (``Objective.network``):
   BatchNorm layers in training mode (None when it has none). :class:`MethodModel` wraps
   the network with it, so the train step's forward, the evaluator, the sharpness
   curves, SWAD's BatchNorm pass and ``load_run`` all predict the method's way.
-* ``extra_input_channels``: channels the method prepends to the network's input (ARM's
-  context), so the network is built for ``channels + extra``.
+* ``extra_input_channels``: channels the method adds to the network's input (ARM's
+  context, the last channel), so the network is built for ``channels + extra``.
+* ``uses_mask``: ``predict`` also takes ``mask=`` ([N] bool, False on an evaluation
+  batch's padding rows, None when every row is real), for a prediction that pools over
+  the batch (ARM, MTL); ``MethodModel.apply(..., mask=...)`` passes it on.
+
+``predict`` reads the run's ``batch_per_env`` (:data:`BATCH_PER_ENV`) from ``hp``
+(``from_config`` adds it): ARM's support size.
 
 An objective's loss reads the method's parameters at the pass it evaluates from
 ``Step.params["method"]`` (``sagm_jax.methods.objectives.Step``), and ``Outputs.classify``
@@ -35,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 OWN = "method"  # the key of a method's variables in the network's params and batch_stats
+BATCH_PER_ENV = "batch_per_env"  # the config value ``from_config`` adds to a method's hp
 
 
 class Shapes(NamedTuple):
@@ -53,6 +60,7 @@ class MethodNetwork(NamedTuple):
     init: Callable[[jax.Array, Shapes, dict], dict] | None = None
     predict: Callable | None = None
     extra_input_channels: int = 0
+    uses_mask: bool = False
 
 
 def split_variables(variables: dict) -> tuple[dict, dict]:
@@ -89,7 +97,8 @@ class MethodModel:
     """The run's network predicting a method's way: ``apply`` takes the arguments of the
     network's Flax ``apply`` (``variables, images, train, features, mutable``, the rest
     passed through) and returns what it returns, with the method's variables under
-    ``OWN``; the method's BatchNorm statistics update in training mode."""
+    ``OWN``; the method's BatchNorm statistics update in training mode. ``mask`` ([N]
+    bool, False on padding rows) reaches a ``predict`` that ``uses_mask``."""
 
     def __init__(self, model, network: MethodNetwork, hp: dict):
         self.model, self.network, self.hp = model, network, hp
@@ -98,7 +107,7 @@ class MethodModel:
         self.trains_statistics = True
 
     def apply(self, variables, images, *, train: bool = False, features: bool = False,
-              mutable: Any = False, **kwargs):
+              mutable: Any = False, mask=None, **kwargs):
         base_variables, own = split_variables(variables)
         updates = {}
 
@@ -110,7 +119,9 @@ class MethodModel:
                 updates.update(updated)
             return out
 
-        (feats, logits), own_stats = self.network.predict(base, own, images, train, self.hp)
+        extra = {"mask": mask} if self.network.uses_mask else {}
+        (feats, logits), own_stats = self.network.predict(base, own, images, train, self.hp,
+                                                          **extra)
         out = (feats, logits) if features else logits
         if not mutable:
             return out
@@ -158,6 +169,7 @@ def from_config(config, num_classes: int, input_shape, num_domains: int, key,
     entry = objective(config.get("objective", "erm"))
     # A run written before a hyperparameter existed reads its default.
     hp = {h.key: config.get(h.key, h.default) for h in entry.method.hyperparameters}
+    hp[BATCH_PER_ENV] = config.get(BATCH_PER_ENV)
     network = entry.network
     shape = input_shape_for(network, input_shape)
     model, variables, weights = models.from_config(config, num_classes, shape, key, pretrained)

@@ -22,7 +22,9 @@ variables:
 * ``with_pretrained_backbone(variables, converted)`` puts converted weights into
   freshly initialised DomainBed variables: every backbone entry is replaced
   (strictly), the fresh classifier is kept, and the converted ``classifier`` (the
-  ImageNet fc) is deliberately dropped, as DomainBed removes torchvision's fc.
+  ImageNet fc) is deliberately dropped, as DomainBed removes torchvision's fc. A
+  network of other than 3 input channels (ARM's) gets the stem's channel ``i % 3``
+  as its channel i, as DomainBed's ``ResNet`` does.
 * ``imagenet_classifier(arch, state_dict)`` is the ImageNet network in eval mode,
   for checking a weights file against known predictions.
 
@@ -225,6 +227,25 @@ def _unflatten(flat: Mapping[tuple[str, ...], Any]) -> dict:
     return tree
 
 
+STEM_KERNEL = ("params", "conv1", "kernel")
+
+
+def _stem_for_channels(source: dict, fresh: dict) -> dict:
+    """``source`` with its stem convolution fitted to the model's input channels, as
+    DomainBed's ``ResNet`` (``domainbed/networks.py``) does for a network of ``nc != 3``
+    input channels (ARM's context channel): input channel i of the kernel
+    [kh, kw, nc, out] is the pretrained channel ``i % 3``. Unchanged when the channels
+    agree, or when either has no stem kernel."""
+    if STEM_KERNEL not in source or STEM_KERNEL not in fresh:
+        return source
+    kernel = np.asarray(source[STEM_KERNEL])
+    channels = np.shape(fresh[STEM_KERNEL])[2]
+    if kernel.ndim != 4 or kernel.shape[2] == channels:
+        return source
+    fitted = kernel[:, :, np.arange(channels) % kernel.shape[2], :]
+    return {**source, STEM_KERNEL: fitted}
+
+
 def with_pretrained_backbone(
     variables: Mapping, converted: Mapping, head: str = "classifier"
 ) -> dict:
@@ -232,7 +253,9 @@ def with_pretrained_backbone(
 
     Every entry of ``variables`` outside ``params[head]`` must exist in
     ``converted`` with the same shape, and ``converted`` may have nothing else
-    besides its own ``params[head]`` (the ImageNet fc, deliberately dropped).
+    besides its own ``params[head]`` (the ImageNet fc, deliberately dropped). A model
+    built for other than 3 input channels takes the pretrained stem's channel
+    ``i % 3`` as its channel i (``_stem_for_channels``, DomainBed's rule).
     Mismatches are errors naming the entries. The fresh head is kept as it is.
     """
 
@@ -240,7 +263,7 @@ def with_pretrained_backbone(
         return path[0] == "params" and path[1] == head
 
     fresh = _flatten(variables)
-    source = _flatten(converted)
+    source = _stem_for_channels(_flatten(converted), fresh)
     fresh_backbone = {path for path in fresh if not is_head(path)}
     source_backbone = {path for path in source if not is_head(path)}
     problems = []
