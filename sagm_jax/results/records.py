@@ -155,7 +155,7 @@ def method_of(record: dict) -> tuple[str, str, float]:
 def method_of_label(label: str) -> tuple[str, str, float] | None:
     """The ``(objective, algorithm, disam_lambda)`` whose ``rundir.record_algorithm`` is
     ``label`` (without " + MixStyle"; DISAM's lambda as 1.0), or None."""
-    label = label.removesuffix(MIXSTYLE)
+    label = label.removesuffix(MIXSTYLE).removesuffix(rundir.MIXSTYLE2)
     for objective in methods.OBJECTIVES:
         for algorithm in methods.UPDATE_RULES:
             for disam in (0.0, 1.0):
@@ -181,7 +181,7 @@ def method_name(record: dict) -> str:
         label = methods.method_label(objective, algorithm, disam)
     else:  # a name this version does not know: shown as recorded
         label = algorithm if objective == "erm" else f"{algorithm} + {objective}"
-    label += MIXSTYLE if record["config"].get("mixstyle") else ""
+    label += rundir.mixstyle_suffix(record["config"])
     return label + (SWAD if "swad" in record else "")
 
 

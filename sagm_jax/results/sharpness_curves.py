@@ -80,7 +80,7 @@ def _label(config, checkpoint: str) -> str:
     label = method_label(
         config.get("objective", "erm"), config.algorithm, config.get("disam_lambda", 0.0)
     )
-    label += " + MixStyle" if config.mixstyle else ""
+    label += rundir.mixstyle_suffix(config)
     return label + (" + SWAD" if checkpoint == "swad" else "")
 
 

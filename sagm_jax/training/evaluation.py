@@ -31,6 +31,7 @@ import numpy as np
 
 from sagm_jax.data import device_augment
 from sagm_jax.data.pipeline import prefetch_to_mesh
+from sagm_jax.methods.networks import MethodModel
 from sagm_jax.methods.objectives import per_example_cross_entropy
 from sagm_jax.training.train_step import apply_model
 
@@ -74,7 +75,9 @@ def make_eval_step(model, compute_dtype, seed: int = 0, image_size: int = 224):
         batch = device_augment.model_inputs(
             batch, seed, 0, image_size, stream=device_augment.EVAL_STREAM
         )
-        logits = apply_model(model, params, batch_stats, batch["image"], compute_dtype)
+        # A prediction that pools over the batch (ARM, MTL) leaves the padding rows out.
+        pooled = {"mask": batch["mask"]} if isinstance(model, MethodModel) else {}
+        logits = apply_model(model, params, batch_stats, batch["image"], compute_dtype, **pooled)
         correct = (jnp.argmax(logits, -1) == batch["label"]) & batch["mask"]
         losses = per_example_cross_entropy(logits, batch["label"])
         return jnp.sum(correct), jnp.sum(batch["mask"]), jnp.sum(jnp.where(batch["mask"], losses, 0))

@@ -55,6 +55,15 @@ WALL_TIME = "wall_time.json"  # the seconds of the launch that finished the run
 SWAD_RESULTS = "swad.jsonl"  # the SWAD model's one record (a SWAD run)
 SWAD_MODEL = "swad_model"  # the SWAD model's variables
 MIXSTYLE = " + MixStyle"  # what MixStyle adds to a method's label
+MIXSTYLE2 = " + Mixstyle2"  # MixStyle across domains (``mixstyle_mix="crossdomain"``)
+
+
+def mixstyle_suffix(config_dict) -> str:
+    """What a run's MixStyle adds to its method's label: " + MixStyle", " + Mixstyle2" for
+    the SAGM repository's cross-domain mix, "" without MixStyle."""
+    if not config_dict.get("mixstyle"):
+        return ""
+    return MIXSTYLE2 if config_dict.get("mixstyle_mix") == "crossdomain" else MIXSTYLE
 
 # The methods that DomainBed's ``domainbed/algorithms.py`` names otherwise than
 # ``methods.method_label``: its class names (``ALGORITHMS``) ``Mixup`` and ``ANDMask``.
@@ -258,7 +267,7 @@ def record_algorithm(config_dict: dict) -> str:
     ``collect_results`` reads it (one row per ``args.algorithm``), so that its rows tell
     our methods apart. DomainBed's class name where it has one (:data:`DOMAINBED_ALGORITHMS`,
     ``CORAL``, ``Fish``), else ``methods.method_label`` ("SAGM + CORAL", "DISAM on SAGM"),
-    with " + MixStyle" when ``mixstyle``. Only the record holds it: ``hparams_seed`` and
+    with :func:`mixstyle_suffix`. Only the record holds it: ``hparams_seed`` and
     the sweep's job hashes come from the config, whose ``algorithm`` stays the update
     rule (our readers take the method from the config)."""
     from sagm_jax import methods  # the registries import JAX; reading records needs neither
@@ -269,7 +278,7 @@ def record_algorithm(config_dict: dict) -> str:
         float(config_dict.get("disam_lambda") or 0),
     )
     label = DOMAINBED_ALGORITHMS.get(label, label)
-    return label + (MIXSTYLE if config_dict.get("mixstyle") else "")
+    return label + mixstyle_suffix(config_dict)
 
 
 def make_record(

@@ -90,7 +90,7 @@ def test_image_folder_with_pretrained_resnet18(tmp_path):
 @pytest.mark.slow
 def test_all_test_envs_runs_each_environment(tmp_path, capsys):
     write_image_tree(tmp_path / "data", domains=("art", "photo"), n=3)
-    config = tiny_folder_config(tmp_path, steps=1, all_test_envs=True)
+    config = tiny_folder_config(tmp_path, steps=1, all_test_envs=True, num_devices=4)
     table = train.train_and_evaluate(config, str(tmp_path / "run"))
     assert sorted(table) == [0, 1]
     for env in range(2):
