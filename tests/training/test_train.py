@@ -99,33 +99,6 @@ def test_all_test_envs_runs_each_environment(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_one_device_and_eight_devices_give_the_same_run(tmp_path):
-    assert jax.device_count() == 8
-    one = train.train_and_evaluate(digits_config(num_devices=1, steps=1), str(tmp_path / "one"))
-    eight = train.train_and_evaluate(digits_config(num_devices=8, steps=1), str(tmp_path / "eight"))
-    for key in one[0]:
-        if key.endswith("_acc"):
-            assert one[0][key] == pytest.approx(eight[0][key], abs=1.0 / 60), (
-                key
-            )  # one example at most
-    assert one[0]["loss"] == pytest.approx(eight[0]["loss"], rel=1e-6)
-    one_params = np.concatenate(
-        [np.ravel(p) for p in jax.tree.leaves(restore_params(tmp_path / "one"))]
-    )
-    eight_params = np.concatenate(
-        [np.ravel(p) for p in jax.tree.leaves(restore_params(tmp_path / "eight"))]
-    )
-    # One SAGM step. The gradients agree to float32 rounding (sums in another order);
-    # Adam's first step, lr * d / (|d| + eps), turns that into a visible difference only
-    # where |d| is itself at rounding level. A per-device perturbation, the likely bug,
-    # would change most coordinates. Longer runs drift apart chaotically in float32;
-    # the optimizer alone is compared exactly, in float64, in tests/methods/test_update_rules.py.
-    agree = np.isclose(one_params, eight_params, rtol=1e-4, atol=1e-6)
-    assert agree.mean() > 0.999, agree.mean()
-    assert np.max(np.abs(one_params - eight_params)) <= 2 * 1e-3
-
-
-@pytest.mark.slow
 def test_per_device_perturbation_runs_and_differs_from_global(tmp_path):
     per_device = train.train_and_evaluate(
         digits_config(steps=2, eval_every=1, perturbation="per_device"),
@@ -152,7 +125,7 @@ def _main_command(workdir, *overrides):
         "sagm_jax.main",
         f"--config={REPO}/configs/rotated_digits.py",
         f"--workdir={workdir}",
-        "--config.steps=25",
+        "--config.steps=16",
         "--config.eval_every=3",
         "--config.batch_per_env=4",
         "--config.eval_batch_size=64",
@@ -240,7 +213,7 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path, dataset
     whole_out.close(), whole_err.close()
     assert whole_run.returncode == 0, (tmp_path / "whole.err").read_text()[-3000:]
     assert ("TensorFlow is not installed" in (tmp_path / "whole.out").read_text()) == folder
-    assert not os.path.exists(killed / "done") and 3 <= records_at_kill < 9
+    assert not os.path.exists(killed / "done") and 3 <= records_at_kill < 6
     resumed = subprocess.run(
         command(killed, *overrides),
         check=True, env=_run_env(), cwd=REPO, capture_output=True, text=True
@@ -371,7 +344,7 @@ def test_two_processes_killed_and_resumed_give_the_two_device_run(tmp_path):
     one device each, killed after a few evaluations and relaunched, against one process
     with two devices. After the restore every process must take the same checkpoint
     decisions (a save entered by one process alone hangs in orbax's barrier)."""
-    overrides = ["--config.steps=8", "--config.eval_every=1"]
+    overrides = ["--config.steps=5", "--config.eval_every=1"]
     env = _run_env()
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     # The two-device run and the two processes to kill run side by side (the test's time).
@@ -388,7 +361,7 @@ def test_two_processes_killed_and_resumed_give_the_two_device_run(tmp_path):
     for w in workers:
         w.send_signal(signal.SIGKILL)
         w.wait()
-    assert 3 <= len(train.read_records(str(tmp_path / "multi"))) < 8
+    assert 3 <= len(train.read_records(str(tmp_path / "multi"))) < 5
     workers = _two_processes(tmp_path / "multi", overrides, port + 1)
     outputs = [w.communicate(timeout=600)[0] for w in workers]
     assert [w.returncode for w in workers] == [0, 0], [o[-3000:] for o in outputs]
@@ -398,7 +371,7 @@ def test_two_processes_killed_and_resumed_give_the_two_device_run(tmp_path):
     assert single_run.returncode == 0, (tmp_path / "single.err").read_text()[-3000:]
     single = train.read_records(str(tmp_path / "single"))
     multi = train.read_records(str(tmp_path / "multi"))
-    assert [r["step"] for r in multi] == list(range(8))
+    assert [r["step"] for r in multi] == list(range(5))
     for a, b in zip(single, multi):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         for key in a:
