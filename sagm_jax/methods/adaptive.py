@@ -186,7 +186,9 @@ register_objective(Objective(
     _erm,
     label_alone=True,
     network=MethodNetwork(init=_arm_init, predict=_arm_predict, extra_input_channels=1,
-                          uses_mask=True),
+                          uses_mask=True,
+                          frozen=lambda hp: ("context",) if hp["arm_context"] == "untrained"
+                          else ()),
 ))
 
 

@@ -61,6 +61,10 @@ class MethodNetwork(NamedTuple):
     predict: Callable | None = None
     extra_input_channels: int = 0
     uses_mask: bool = False
+    # ``frozen(hp) -> keys`` of ``params["method"]`` the method never trains (ARM's
+    # untrained context network): its loss stops their gradient, and the optimizer's
+    # weight decay leaves them out (``decay_mask``), so they stay exactly at init.
+    frozen: Callable[[dict], tuple[str, ...]] | None = None
 
 
 def split_variables(variables: dict) -> tuple[dict, dict]:
@@ -134,6 +138,24 @@ class MethodModel:
 
     def init(self, *args, **kwargs):
         return self.model.init(*args, **kwargs)
+
+
+def decay_mask(network: MethodNetwork | None, hp: dict):
+    """The weight-decay mask of a method that keeps parameters frozen: ``params ->`` a
+    tree of bools, False for the keys of ``params["method"]`` that ``frozen(hp)`` names
+    (PyTorch's coupled decay acts only on what its optimizer holds); None when every
+    parameter trains."""
+    frozen = set(network.frozen(hp)) if network is not None and network.frozen else set()
+    if not frozen:
+        return None
+
+    def mask(params):
+        tree = jax.tree.map(lambda _: True, params)
+        tree[OWN] = {key: jax.tree.map(lambda _, k=key: k not in frozen, value)
+                     for key, value in params[OWN].items()}
+        return tree
+
+    return mask
 
 
 def input_shape_for(network: MethodNetwork | None, input_shape) -> tuple:

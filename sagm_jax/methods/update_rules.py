@@ -443,6 +443,7 @@ def rule_optimizer(
     adaptive: bool = False,
     perturbation: str = "global",
     axis_name: Optional[str] = None,
+    decay_mask=None,
 ) -> optax.GradientTransformationExtraArgs:
     """The registered plain or head rule ``algorithm``: its transforms (its entry's
     ``build`` with its hyperparameters read from ``hp`` by key, the registry's defaults
@@ -456,7 +457,9 @@ def rule_optimizer(
 
     The chain always accepts ``grad_fn`` and ``ascent_grads`` (DISAM's ``g_DI``); ERM
     uses neither, so one train step serves every rule. ``adaptive``, ``perturbation``
-    and ``axis_name`` go to every head (see :func:`sagm`).
+    and ``axis_name`` go to every head (see :func:`sagm`). ``decay_mask`` (optax's
+    ``add_decayed_weights`` mask) leaves a method's frozen parameters out of the decay
+    (``sagm_jax.methods.networks.decay_mask``).
     """
     rule = update_rule(algorithm)
     if rule.kind == "procedure":
@@ -470,7 +473,7 @@ def rule_optimizer(
     )
     return optax.chain(
         *head,
-        optax.add_decayed_weights(weight_decay),
+        optax.add_decayed_weights(weight_decay, mask=decay_mask),
         optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8),
         optax.scale_by_learning_rate(learning_rate),
     )
