@@ -231,7 +231,7 @@ def test_ctrl_c_stops_cleanly_and_says_how_to_resume(tmp_path):
     args = [
         f"--config={DIGITS}",
         f"--workdir={workdir}",
-        "--config.steps=40",
+        "--config.steps=20",
         "--config.eval_every=5",
         "--config.batch_per_env=8",
         "--config.cnn_widths=16,32,32,32",
@@ -268,7 +268,7 @@ def test_ctrl_c_stops_cleanly_and_says_how_to_resume(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "resumed at step" in result.stdout
     again = [json.loads(line)["step"] for line in results.read_text().splitlines()]
-    assert again[: len(steps) - 1] == steps[: len(steps) - 1] and again[-1] == 39
+    assert again[: len(steps) - 1] == steps[: len(steps) - 1] and again[-1] == 19
 
 
 # --- the pre-start check of test_envs, valid examples, did you mean --------------------

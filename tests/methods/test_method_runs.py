@@ -106,7 +106,9 @@ def _stop_before(step_to_stop, monkeypatch):
     ids=lambda m: "-".join(map(str, m.values())),
 )
 def test_a_stateful_method_resumes_exactly(tmp_path, monkeypatch, method):
-    config = digits_config(steps=5, eval_every=2, **method)
+    # One device: the state's checkpoint and restore do not depend on the devices
+    # (test_a_method_on_eight_devices_is_the_one_device_run shards the methods).
+    config = digits_config(steps=5, eval_every=2, num_devices=1, **method)
     train.train_and_evaluate(config, str(tmp_path / "whole"))  # records 0, 2, 4
     with monkeypatch.context() as patch:
         _stop_before(3, patch)  # after the checkpoint of step 2

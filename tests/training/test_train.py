@@ -75,6 +75,7 @@ def test_image_folder_with_pretrained_resnet18(tmp_path):
         test_envs=(1,),
         lr=1e-4,
         algorithm=base_config().algorithm,
+        num_devices=1,  # what it checks does not depend on the devices; compiles faster
     )
     records = train.train_and_evaluate(config, str(tmp_path / "run"))
     assert [r["step"] for r in records] == [0, 1]
