@@ -153,6 +153,12 @@ def test_method_names_come_from_the_methods_table():
         "DISAM on SAGM + CORAL"
     )
     assert name({"algorithm": "erm", "mixstyle": True, "disam_lambda": 0}) == "ERM + MixStyle"
+    # The SAGM repository's cross-domain MixStyle is a row of its own.
+    crossdomain = {"algorithm": "sagm", "mixstyle": True, "mixstyle_mix": "crossdomain"}
+    assert name(crossdomain) == "SAGM + Mixstyle2"
+    assert name({**crossdomain, "mixstyle": False}) == "SAGM"
+    assert name({"algorithm": "sagm", "objective": "selfreg"}) == "SAGM + SelfReg"
+    assert name({"algorithm": "erm", "objective": "arm"}) == "ARM"
 
 
 def test_rows_follow_the_papers_order():
