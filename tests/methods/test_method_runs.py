@@ -102,26 +102,37 @@ def _stop_before(step_to_stop, monkeypatch):
         dict(objective="groupdro", algorithm="sagm", disam_lambda=0.5),
         dict(objective="irm", algorithm="erm", irm_penalty_anneal_iters=3),
         dict(algorithm="fish"),
+        # SWAD under SAGM: its weight averages and the loss valley's state resume too
+        # (tolerance 100: the valley lives on to the end, whose average is recorded).
+        dict(algorithm="sagm", swad=True, steps=9, swad_eval_every=2, swad_n_converge=2,
+             swad_n_tolerance=3, swad_tolerance_ratio=100.0),
     ],
-    ids=lambda m: "-".join(map(str, m.values())),
+    ids=lambda m: "-".join(map(str, m.values()))[:40],
 )
 def test_a_stateful_method_resumes_exactly(tmp_path, monkeypatch, method):
     # One device: the state's checkpoint and restore do not depend on the devices
     # (test_a_method_on_eight_devices_is_the_one_device_run shards the methods).
-    config = digits_config(steps=5, eval_every=2, num_devices=1, **method)
-    train.train_and_evaluate(config, str(tmp_path / "whole"))  # records 0, 2, 4
+    config = digits_config(**{"steps": 5, "eval_every": 2, "num_devices": 1, **method})
+    whole = train.train_and_evaluate(config, str(tmp_path / "whole"))  # records 0, 2, 4, ...
     with monkeypatch.context() as patch:
         _stop_before(3, patch)  # after the checkpoint of step 2
         with pytest.raises(Killed):
             train.train_and_evaluate(config, str(tmp_path / "killed"))
     train.train_and_evaluate(config, str(tmp_path / "killed"))
     resumed = train.read_records(str(tmp_path / "killed"))
-    assert len(resumed) == 3
+    assert len(resumed) == len(whole) >= 3
     for again, first in zip(resumed, train.read_records(str(tmp_path / "whole"))):
         differ = {k for k in first if k != "args" and again.get(k) != first[k]}
         assert not differ, (first["step"], differ)
     for a, b in zip(_params(tmp_path / "whole"), _params(tmp_path / "killed")):
         np.testing.assert_array_equal(a, b)
+    if config.swad:
+        swad_whole, swad_killed = (loading.load_run(str(tmp_path / w), "swad")
+                                   for w in ("whole", "killed"))
+        for a, b in zip(jax.tree.leaves(swad_whole[1]), jax.tree.leaves(swad_killed[1])):
+            np.testing.assert_array_equal(a, b)
+        drop_args = lambda record: {k: v for k, v in record.items() if k != "args"}  # noqa: E731
+        assert drop_args(swad_whole[2]) == drop_args(swad_killed[2])
 
 
 @pytest.mark.slow

@@ -170,26 +170,13 @@ def _folder_overrides(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dataset", ["image_folder_device_input", "rotated_digits_swad"])
-def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path, dataset):
+def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path):
     """A run killed with SIGKILL and relaunched gives the uninterrupted run's records and
     weights bit for bit: an image folder through the device input (store, device
-    augmentation, evaluation, checkpoints) on a machine without TensorFlow, and
-    RotatedDigits with SWAD (whose averages and valley resume too; without SWAD the same
-    run is a subset)."""
-    folder = dataset == "image_folder_device_input"
-    command = (lambda *args: _without_tensorflow(_main_command(*args))) if folder else _main_command
-    overrides = {
-        "image_folder_device_input": _folder_overrides(tmp_path),
-        # SWAD: its averages and valley resume too (tolerance 100: the valley lives on).
-        "rotated_digits_swad": [
-            "--config.swad=True",
-            "--config.swad_eval_every=3",
-            "--config.swad_n_converge=2",
-            "--config.swad_n_tolerance=3",
-            "--config.swad_tolerance_ratio=100",
-        ],
-    }[dataset]
+    augmentation, evaluation, checkpoints) on a machine without TensorFlow. (SWAD's
+    averages and valley resume too: tests/methods/test_method_runs.py.)"""
+    command = lambda *args: _without_tensorflow(_main_command(*args))  # noqa: E731
+    overrides = _folder_overrides(tmp_path)
     # The uninterrupted run and the one to kill run side by side (the test's time).
     whole_out, whole_err = open(tmp_path / "whole.out", "w+"), open(tmp_path / "whole.err", "w+")
     whole_run = subprocess.Popen(
@@ -213,7 +200,7 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path, dataset
     whole_run.wait(timeout=600)
     whole_out.close(), whole_err.close()
     assert whole_run.returncode == 0, (tmp_path / "whole.err").read_text()[-3000:]
-    assert ("TensorFlow is not installed" in (tmp_path / "whole.out").read_text()) == folder
+    assert "TensorFlow is not installed" in (tmp_path / "whole.out").read_text()
     assert not os.path.exists(killed / "done") and 3 <= records_at_kill < 6
     resumed = subprocess.run(
         command(killed, *overrides),
@@ -227,14 +214,6 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path, dataset
         jax.tree.leaves(restore_params(tmp_path / "whole")), jax.tree.leaves(restore_params(killed))
     ):
         np.testing.assert_array_equal(a, b)
-    if dataset.endswith("swad"):
-        whole_swad = loading.load_run(str(tmp_path / "whole"), "swad")
-        killed_swad = loading.load_run(str(killed), "swad")
-        for a, b in zip(jax.tree.leaves(whole_swad[1]), jax.tree.leaves(killed_swad[1])):
-            np.testing.assert_array_equal(a, b)
-        assert {k: v for k, v in whole_swad[2].items() if k != "args"} == {
-            k: v for k, v in killed_swad[2].items() if k != "args"
-        }
 
 
 @pytest.mark.slow
