@@ -25,6 +25,13 @@ a :class:`MethodNetwork` in its registry entry (``Objective.network``):
   batch's padding rows, None when every row is real), for a prediction that pools over
   the batch (ARM, MTL); ``MethodModel.apply(..., mask=...)`` passes it on.
 
+A procedure (``UpdateRule.network``; DANN's discriminator, SagNet's style network)
+declares its modules the same way; its update reads and steps them in ``params["method"]``
+(:func:`split_params`).
+
+``init_from_network``: ``init`` also receives ``network=(model, variables)``, the run's
+network and its variables at step 0 (a second copy of it, or a frozen one).
+
 ``predict`` reads the run's ``batch_per_env`` (:data:`BATCH_PER_ENV`) from ``hp``
 (``from_config`` adds it): ARM's support size.
 
@@ -65,6 +72,17 @@ class MethodNetwork(NamedTuple):
     # untrained context network): its loss stops their gradient, and the optimizer's
     # weight decay leaves them out (``decay_mask``), so they stay exactly at init.
     frozen: Callable[[dict], tuple[str, ...]] | None = None
+    init_from_network: bool = False
+
+
+def split_params(params: dict) -> tuple[dict, dict]:
+    """``(network's params, method's params)`` of a train state's ``params``."""
+    return {k: v for k, v in params.items() if k != OWN}, params.get(OWN, {})
+
+
+def join_params(network_params: dict, own_params: dict) -> dict:
+    """The inverse of :func:`split_params`."""
+    return {**network_params, OWN: own_params} if own_params else dict(network_params)
 
 
 def split_variables(variables: dict) -> tuple[dict, dict]:
@@ -164,11 +182,30 @@ def input_shape_for(network: MethodNetwork | None, input_shape) -> tuple:
     return (*input_shape[:-1], input_shape[-1] + extra)
 
 
-def init_method_variables(network: MethodNetwork | None, key, shapes: Shapes, hp: dict) -> dict:
-    """The method's variables at step 0 (``{}`` for a method without modules)."""
+def init_method_variables(network: MethodNetwork | None, key, shapes: Shapes, hp: dict,
+                          base=None) -> dict:
+    """The method's variables at step 0 (``{}`` for a method without modules); ``base``
+    is ``(model, variables)`` of the run's network, passed to an ``init_from_network``."""
     if network is None or network.init is None:
         return {}
+    if network.init_from_network:
+        return network.init(key, shapes, hp, network=base)
     return network.init(key, shapes, hp)
+
+
+def method_network(config):
+    """``(network, hp)`` of the run's method: the objective's ``MethodNetwork`` or, for a
+    procedure that has one, the update rule's (they never both have one: the procedures
+    take the ``erm`` objective), and the hyperparameters of both with their defaults (a
+    run written before a hyperparameter existed reads its default) and ``batch_per_env``."""
+    from sagm_jax.methods.registry import objective, update_rule
+
+    entry = objective(config.get("objective", "erm"))
+    rule = update_rule(config.get("algorithm", "erm"))
+    hp = {h.key: config.get(h.key, h.default)
+          for h in entry.method.hyperparameters + rule.method.hyperparameters}
+    hp[BATCH_PER_ENV] = config.get(BATCH_PER_ENV)
+    return entry.network if entry.network is not None else rule.network, hp
 
 
 def wrap(model, network: MethodNetwork | None, hp: dict):
@@ -186,13 +223,8 @@ def from_config(config, num_classes: int, input_shape, num_domains: int, key,
     ``OWN`` and the model wrapped for the method's prediction. Training and ``load_run``
     both build the run's network here."""
     from sagm_jax import models
-    from sagm_jax.methods.registry import objective
 
-    entry = objective(config.get("objective", "erm"))
-    # A run written before a hyperparameter existed reads its default.
-    hp = {h.key: config.get(h.key, h.default) for h in entry.method.hyperparameters}
-    hp[BATCH_PER_ENV] = config.get(BATCH_PER_ENV)
-    network = entry.network
+    network, hp = method_network(config)
     shape = input_shape_for(network, input_shape)
     model, variables, weights = models.from_config(config, num_classes, shape, key, pretrained)
     if network is not None and network.init is not None:
@@ -201,6 +233,7 @@ def from_config(config, num_classes: int, input_shape, num_domains: int, key,
             variables,
         )
         shapes = Shapes(tuple(input_shape), features.shape[-1], num_classes, num_domains)
-        own = init_method_variables(network, jax.random.fold_in(key, 1), shapes, hp)
+        own = init_method_variables(network, jax.random.fold_in(key, 1), shapes, hp,
+                                    base=(model, variables))
         variables = with_method_variables(variables, own)
     return wrap(model, network, hp), variables, weights

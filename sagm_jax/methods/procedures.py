@@ -15,6 +15,12 @@ minibatch at ``params`` and its gradient (``m`` a Python int or a traced int32; 
 call draws its own dropout). ``metrics["loss"]`` is the loss the reference reports.
 The procedures take the ``erm`` objective only (``methods.combination_problem``).
 
+A procedure with ``whole_batch=True`` (DANN, CDANN, SagNet, mDSDI) receives
+:class:`BatchPasses` in place of ``domain_value_and_grad``: training passes over the whole
+batch at any parameters, the batch and the step. Its own modules (``UpdateRule.network``)
+sit in ``params["method"]`` (``sagm_jax.methods.networks.split_params``), so it steps
+each parameter group with an optimizer of its own.
+
 ``Adam(lr, wd)`` is PyTorch's Adam: betas (0.9, 0.999), eps 1e-8, COUPLED L2
 (``grad + wd * w`` enters the moments), built by ``update_rules.paper_optimizer('erm')``.
 Each procedure's registry entry (``registry.register_update_rule``, kind "procedure")
@@ -55,15 +61,37 @@ ADAM_EPS = 1e-8
 class Procedure(NamedTuple):
     """``init(params) -> state``; ``update(params, state, domain_value_and_grad, key)
     -> (updates, state, metrics)``, pure and jittable; ``metrics["loss"]`` is the
-    reported loss."""
+    reported loss. With ``whole_batch`` the third argument is :class:`BatchPasses`."""
 
     init: Callable[[Params], Any]
     update: Callable[..., tuple[Params, Any, dict]]
+    whole_batch: bool = False
 
 
-def torch_adam(learning_rate: float, weight_decay: float) -> optax.GradientTransformation:
-    """PyTorch's ``Adam(lr, weight_decay)``: coupled L2, betas (0.9, 0.999), eps 1e-8."""
-    return paper_optimizer("erm", learning_rate=learning_rate, weight_decay=weight_decay)
+class BatchPasses(NamedTuple):
+    """What a ``whole_batch`` procedure's update reads: ``forward_at(params, key)`` is a
+    training pass's ``forward(images) -> objectives.Outputs`` at ``params`` with dropout
+    drawn from ``key``; ``images`` [N, ...] and ``labels`` [N] hold the ``num_domains``
+    minibatches concatenated in order; ``step`` counts the updates before this one."""
+
+    forward_at: Callable
+    images: jax.Array
+    labels: jax.Array
+    num_domains: int
+    step: jax.Array
+
+
+def torch_adam(learning_rate: float, weight_decay: float,
+               betas: tuple[float, float] = (0.9, 0.999)) -> optax.GradientTransformation:
+    """PyTorch's ``Adam(lr, weight_decay, betas)``: coupled L2 (``g + wd * w`` enters the
+    moments), eps 1e-8; betas (0.9, 0.999) unless given."""
+    if tuple(betas) == (0.9, 0.999):
+        return paper_optimizer("erm", learning_rate=learning_rate, weight_decay=weight_decay)
+    return optax.chain(
+        optax.add_decayed_weights(weight_decay),
+        optax.scale_by_adam(b1=betas[0], b2=betas[1], eps=1e-8),
+        optax.scale_by_learning_rate(learning_rate),
+    )
 
 
 def fish(meta_lr: float, *, learning_rate: float, weight_decay: float,

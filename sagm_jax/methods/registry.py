@@ -34,14 +34,15 @@ class Distribution(NamedTuple):
     draw: Callable[[np.random.RandomState], object]
 
 
-def log_uniform(low: float, high: float, integer: bool = False) -> Distribution:
-    """``10 ** U(low, high)`` (``int(...)`` when ``integer``), as DomainBed writes it."""
+def log_uniform(low: float, high: float, integer: bool = False, base: int = 10) -> Distribution:
+    """``base ** U(low, high)`` (``int(...)`` when ``integer``), as DomainBed writes it
+    (base 2 for DANN's discriminator width and steps)."""
 
     def draw(rng):
-        value = 10 ** rng.uniform(low, high)
+        value = base ** rng.uniform(low, high)
         return int(value) if integer else float(value)
 
-    text = f"10^U({low:g},{high:g})"
+    text = f"{base}^U({low:g},{high:g})"
     return Distribution(f"int({text})" if integer else text, draw)
 
 
@@ -128,7 +129,9 @@ class UpdateRule(NamedTuple):
       ``update_rules.rule_optimizer`` (a head is a sharpness-aware transform that takes
       ``grad_fn``; ``plain`` uses the clean gradient only).
     * ``kind="procedure"``: ``build(hp, *, learning_rate, weight_decay, num_domains) ->
-      procedures.Procedure``, its own update from per-domain gradients.
+      procedures.Procedure``, its own update from per-domain gradients, or from passes
+      over the whole batch (``Procedure.whole_batch``) with modules of its own
+      (``network``).
 
     ``hp`` holds the rule's own hyperparameters (``method.hyperparameters``), defaults
     filled in."""
@@ -141,6 +144,9 @@ class UpdateRule(NamedTuple):
     # MixStyle restyles the clean pass too (SAGM's released code runs its clean pass
     # without MixStyle: False for sagm).
     clean_pass_mixstyle: bool = True
+    # A procedure's own modules (DANN's discriminator, SagNet's style network):
+    # ``sagm_jax.methods.networks.MethodNetwork``, as ``Objective.network``; None for none.
+    network: object = None
 
     @property
     def name(self) -> str:

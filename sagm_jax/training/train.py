@@ -53,7 +53,7 @@ from sagm_jax.config import section, validate
 from sagm_jax.data.pipeline import prefetch_to_mesh
 from sagm_jax.data.splits import check_split_record
 from sagm_jax.training.evaluation import Evaluator
-from sagm_jax.methods.registry import objective, update_rule
+from sagm_jax.methods.registry import update_rule
 from sagm_jax.methods.update_rules import rule_optimizer
 from sagm_jax.methods.procedures import make_procedure
 from sagm_jax.training.rundir import (
@@ -153,7 +153,7 @@ def optimizer_from_config(
         config.algorithm, hp, learning_rate=adam["lr"], weight_decay=adam["weight_decay"],
         adaptive=adam["adaptive"], perturbation=adam["perturbation"],
         axis_name=axis_name if per_device else None,
-        decay_mask=networks.decay_mask(objective(config.objective).network, hp),
+        decay_mask=networks.decay_mask(*networks.method_network(config)),
     )
 
 

@@ -28,7 +28,9 @@ pass advanced to (GroupDRO's ``q`` moves once per step). With DISAM the clean pa
 gives ``g_DI = grad (L_B - lambda Var_m L_m)`` from the same forward, and the head
 perturbs along it. IRM's and VREx's Adam restarts (all optimizer state back to
 ``init``) at the end of their anneal. A procedure (Fish, AND-mask, MLDG) replaces the
-three lines: it updates from each domain's gradient (``sagm_jax.methods.procedures``). Random
+three lines: it updates from each domain's gradient (``sagm_jax.methods.procedures``), or
+(DANN, CDANN, SagNet, mDSDI) from passes over the whole batch at parameters it
+chooses, drawing its dropout from keys it folds from its own. Random
 draws derive from ``fold_in(key, step)``, so a resumed run repeats them.
 
 Choices the reference leaves implicit, stated here:
@@ -57,6 +59,7 @@ from jax.sharding import PartitionSpec as P
 from sagm_jax.swad import averages as averaging
 from sagm_jax.methods import networks, objectives
 from sagm_jax.methods.objectives import per_example_cross_entropy
+from sagm_jax.methods.procedures import BatchPasses
 from sagm_jax.config import section
 from sagm_jax.data import device_augment
 from sagm_jax.methods.registry import update_rule
@@ -201,9 +204,13 @@ def make_train_step(
         opt_state = _restarted(optimizer, state, reset_step)
         batch_stats, objective_state = state.batch_stats, state.objective_state
         if is_procedure:
-            per_domain = _domain_value_and_grad(forward_at, batch, clean_key, method.num_domains)
+            if optimizer.whole_batch:
+                passes = BatchPasses(forward_at, batch["image"],
+                                     batch["label"], method.num_domains, state.step)
+            else:
+                passes = _domain_value_and_grad(forward_at, batch, clean_key, method.num_domains)
             updates, opt_state, metrics = optimizer.update(
-                state.params, opt_state, per_domain, objective_key
+                state.params, opt_state, passes, objective_key
             )
         else:
             grads, extra, aux = _clean_gradients(
