@@ -14,7 +14,8 @@ a :class:`MethodNetwork` in its registry entry (``Objective.network``):
   variables a module does not declare, so the network reads its own as before.
 * ``predict(base, own, images, train, hp) -> ((features, logits), own_batch_stats)``,
   optional: the method's prediction from ``base(x) -> (features, logits)`` (the run's
-  network on ``x`` at the same variables) and ``own`` (``{"params", "batch_stats"}``
+  network on ``x`` at the same variables; ``base(x, network_variables)`` applies it at
+  other variables, a copy the method keeps in ``own``) and ``own`` (``{"params", "batch_stats"}``
   under ``"method"``); ``own_batch_stats`` is the updated statistics of its own
   BatchNorm layers in training mode (None when it has none). :class:`MethodModel` wraps
   the network with it, so the train step's forward, the evaluator, the sharpness
@@ -133,7 +134,10 @@ class MethodModel:
         base_variables, own = split_variables(variables)
         updates = {}
 
-        def base(x):
+        def base(x, network_variables=None):
+            if network_variables is not None:  # a copy of the network the method keeps
+                return self.model.apply(network_variables, x, train=train, features=True,
+                                        **kwargs)
             out = self.model.apply(base_variables, x, train=train, features=True,
                                    mutable=mutable, **kwargs)
             if mutable:
