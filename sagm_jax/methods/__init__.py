@@ -8,6 +8,8 @@ fills the registries: each module registers its own entries."""
 from sagm_jax.methods.registry import (  # noqa: F401
     DISAM,
     DISAM_PUBLISHED,
+    SWAD_PUBLISHED,
+    published,
     KINDS,
     OBJECTIVES,
     UPDATE_RULES,

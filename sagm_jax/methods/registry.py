@@ -238,6 +238,35 @@ DISAM_PUBLISHED = {
     "DISAM on SAGM": (87.5, 80.7, 71.0, 50.0, 46.0, 67.0, "DISAM paper"),
     "DISAM on SAGM + CORAL": (88.4, 81.2, 71.7, 51.7, 46.3, 67.9, "DISAM paper"),
 }
+# Published rows with SWAD (the tables' "<method> + SWAD"); None where the source prints
+# no per-dataset figure (MIRO's README states the average in its text, the rest in an
+# image).
+SWAD_PUBLISHED = {
+    "ERM + SWAD": (88.1, 79.1, 70.6, 50.0, 46.5, 66.9, "SWAD paper"),
+    "CORAL + SWAD": (88.3, 78.9, 71.3, 51.0, 46.8, 67.3, "SWAD paper"),
+    "MIRO + SWAD": (None, None, None, None, None, 68.1, "MIRO README"),
+}
+
+
+def published() -> dict[str, tuple]:
+    """Every published row by its tables' name (``method_label``, "+ SWAD" rows as the
+    tables name them): the registered methods' numbers, DISAM's and SWAD's rows."""
+    rows = {method_label(o, "erm"): entry.method.published for o, entry in OBJECTIVES.items()}
+    rows.update({method_label("erm", r): rule.method.published
+                 for r, rule in UPDATE_RULES.items()})
+    rows.update(DISAM_PUBLISHED)
+    rows.update(SWAD_PUBLISHED)
+    return {label: numbers for label, numbers in rows.items() if numbers}
+
+
+def published_text(numbers: tuple, average_only: bool = False) -> str:
+    """``"85.5 / 77.3 / ... / 63.9 (source)"`` ("-" for a figure the source does not
+    print); only the average and source with ``average_only``; "-" for no numbers."""
+    if not numbers:
+        return "-"
+    figures = numbers[5:6] if average_only else numbers[:6]
+    text = " / ".join("-" if v is None else f"{v:.1f}" for v in figures)
+    return f"{text} ({numbers[6]})"
 
 
 def hyperparameters() -> tuple[Hyperparameter, ...]:
@@ -314,22 +343,15 @@ def markdown_table() -> str:
             + (f" ({h.distribution.text})" if h.distribution else "")
             for h in method.hyperparameters
         )
-        published = (
-            " / ".join(f"{v:.1f}" for v in method.published[:6]) + f" ({method.published[6]})"
-            if method.published
-            else "-"
-        )
-        return f"| {method.label} | `{flag}` | {own or '-'} | {method.source} | {published} |"
+        return (f"| {method.label} | `{flag}` | {own or '-'} | {method.source} | "
+                f"{published_text(method.published)} |")
 
     rows += [row(o.method, f"objective={name}") for name, o in OBJECTIVES.items()]
     rows += [row(r.method, f"algorithm={name}") for name, r in UPDATE_RULES.items()]
     disam = Method("DISAM", "DISAM", (DISAM,), "", "Zhang et al. 2024 (on sam, gsam, sagm)")
     rows.append(row(disam, "disam_lambda"))
-    rows += [
-        f"| {label} | | | DISAM paper | "
-        + " / ".join(f"{v:.1f}" for v in numbers[:6]) + f" ({numbers[6]}) |"
-        for label, numbers in DISAM_PUBLISHED.items()
-    ]
+    rows += [f"| {label} | | | {numbers[6]} | {published_text(numbers)} |"
+             for label, numbers in {**DISAM_PUBLISHED, **SWAD_PUBLISHED}.items()]
     return "\n".join(rows)
 
 

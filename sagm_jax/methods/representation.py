@@ -105,7 +105,8 @@ register_objective(Objective(
                        "RSC: fraction of the batch whose features are muted", "[0, 1]",
                        uniform(0, 0.5)),
     ), "cross-entropy on features whose top true-class gradients are muted, for the "
-       "examples whose true-class probability drops most", "DomainBed (Huang et al. 2020)"),
+       "examples whose true-class probability drops most", "DomainBed (Huang et al. 2020)",
+        (85.2, 77.1, 65.5, 46.6, 38.9, 62.7, "DomainBed")),
     rsc_loss, label_alone=True,
 ))
 
