@@ -37,3 +37,4 @@ from sagm_jax.methods.registry import (  # noqa: F401
 from sagm_jax.methods import (  # noqa: F401,E402  (each registers its entries)
     objectives, procedures, update_rules, representation, adaptive,
 )
+from sagm_jax.methods import style  # noqa: F401,E402  (SagNet)
