@@ -35,3 +35,4 @@ from sagm_jax.methods.registry import (  # noqa: F401
 from sagm_jax.methods import (  # noqa: F401,E402  (each registers its entries)
     objectives, procedures, update_rules, representation, adaptive,
 )
+from sagm_jax.methods import adversarial  # noqa: F401,E402  (DANN, CDANN)
