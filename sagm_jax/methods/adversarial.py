@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from sagm_jax.methods.networks import MethodNetwork, Shapes, join_params, split_params
 from sagm_jax.methods.objectives import per_example_cross_entropy
@@ -201,11 +200,11 @@ def dann(hp: dict, *, conditional: bool) -> Procedure:
     gen_opt = torch_adam(float(hp["lr_g"]), float(hp["weight_decay_g"]),
                          (float(hp["beta1"]), ADAM_BETA2))
     d_steps = int(hp["d_steps_per_g_step"])
-    disc_settings = dict(
-        conditional=conditional, dropout_rate=float(hp["mlp_dropout"]),
-        grad_penalty=float(hp["grad_penalty"]),
-        balance=hp.get("cdann_balance", BALANCE_MAX_LABEL),
-    )
+    disc_settings = {
+        "conditional": conditional, "dropout_rate": float(hp["mlp_dropout"]),
+        "grad_penalty": float(hp["grad_penalty"]),
+        "balance": hp.get("cdann_balance", BALANCE_MAX_LABEL),
+    }
     weight = float(hp["dann_lambda"])
 
     def init(params):
@@ -215,6 +214,7 @@ def dann(hp: dict, *, conditional: bool) -> Procedure:
     def update(params, opt_state, passes: BatchPasses, key):
         network, own = split_params(params)
         feature_key, disc_key = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
+        not_computed = jnp.asarray(NOT_COMPUTED, jnp.float32)
 
         def disc_loss_at(own_params, features):
             return discriminator_loss(own_params, features, passes.labels, passes.num_domains,
@@ -225,7 +225,7 @@ def dann(hp: dict, *, conditional: bool) -> Procedure:
             loss, grads = jax.value_and_grad(disc_loss_at)(own, features)
             own_updates, disc_state = disc_opt.update(grads, opt_state["discriminator"], own)
             updates = join_params(jax.tree.map(jnp.zeros_like, network), own_updates)
-            return updates, {**opt_state, "discriminator": disc_state}, (loss, jnp.asarray(NOT_COMPUTED, loss.dtype))
+            return updates, {**opt_state, "discriminator": disc_state}, (loss, not_computed)
 
         def generator_step(_):
             def gen_loss_of(network_params):
@@ -237,7 +237,7 @@ def dann(hp: dict, *, conditional: bool) -> Procedure:
             loss, grads = jax.value_and_grad(gen_loss_of)(network)
             net_updates, gen_state = gen_opt.update(grads, opt_state["generator"], network)
             updates = join_params(net_updates, jax.tree.map(jnp.zeros_like, own))
-            return updates, {**opt_state, "generator": gen_state}, (jnp.asarray(NOT_COMPUTED, loss.dtype), loss)
+            return updates, {**opt_state, "generator": gen_state}, (not_computed, loss)
 
         disc_turn = is_discriminator_step(passes.step, d_steps)
         updates, opt_state, (disc_loss, gen_loss) = jax.lax.cond(

@@ -20,10 +20,10 @@ from sagm_jax.methods import adversarial, networks, procedures
 from sagm_jax.methods.objectives import Outputs
 
 M, PER_DOMAIN, HEIGHT, WIDTH, DIM, CLASSES = 3, 4, 2, 3, 5, 4
-HP = dict(dann_lambda=0.7, lr_d=0.03, lr_g=0.02, weight_decay_d=0.1, weight_decay_g=0.2,
-          beta1=0.5, d_steps_per_g_step=1, grad_penalty=0.4, mlp_width=7, mlp_depth=3,
-          mlp_dropout=0.0)
-TOL = dict(rtol=2e-4, atol=2e-6)
+HP = {"dann_lambda": 0.7, "lr_d": 0.03, "lr_g": 0.02, "weight_decay_d": 0.1,
+      "weight_decay_g": 0.2, "beta1": 0.5, "d_steps_per_g_step": 1, "grad_penalty": 0.4,
+      "mlp_width": 7, "mlp_depth": 3, "mlp_dropout": 0.0}
+TOL = {"rtol": 2e-4, "atol": 2e-6}
 
 
 def make_problem(conditional, seed=0, labels=None):
@@ -141,10 +141,9 @@ def reference(params, images, labels, steps, conditional, hp):
         x, y = np.asarray(images, np.float64), np.asarray(labels)
         fresh = lambda tree: {"t": 0, "m": [np.zeros_like(v) for v in jax.tree.leaves(tree)],
                               "v": [np.zeros_like(v) for v in jax.tree.leaves(tree)]}
-        disc_state, gen_state, update_count, history = fresh(own), fresh(network), 0, []
+        disc_state, gen_state, history = fresh(own), fresh(network), []
         d = hp["d_steps_per_g_step"]
-        for _ in range(steps):
-            update_count += 1
+        for update_count in range(1, steps + 1):  # incremented before the test
             if update_count % (1 + d) < d:
                 z = ref_features(network, x)
                 loss, grads = jax.value_and_grad(ref_disc_loss)(own, z, y, conditional, hp)
