@@ -107,9 +107,9 @@ def test_the_config_its_checks_and_help_see_new_methods(registered):
     assert config_lib.config_problems(config) == [
         "config.smoothing=1.5: expected a number in [0, 1).",
         "config.algorithm=domain_mean with config.objective=smoothed: domain_mean is its own "
-        "update from each domain's cross-entropy (DomainBed's), so it takes objective erm "
-        "only; use --config.objective=erm, or an update rule among erm, sam, gsam, sagm, "
-        "erm_sam, half_sam.",
+        "update from its own losses (DomainBed's), so it takes objective erm only; use "
+        "--config.objective=erm, or an update rule among erm, sam, gsam, sagm, erm_sam, "
+        "half_sam.",
     ]
     config.update(algorithm="half_sam", objective="erm", smoothing=0.1)  # rho 0 with a head
     assert config_lib.config_problems(config) == [

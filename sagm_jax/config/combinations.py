@@ -34,7 +34,7 @@ def method_problems(config: ml_collections.ConfigDict) -> list[str]:
     if algorithm in rule_names("procedure") and config.get("freeze_batchnorm") is False:
         problems.append(
             f"config.algorithm={algorithm} with config.freeze_batchnorm=False: the procedures "
-            "update the weights from per-domain passes and leave BatchNorm's statistics "
+            "update the weights from passes of their own and leave BatchNorm's statistics "
             "out (DomainBed's published protocol freezes them); use "
             "--config.freeze_batchnorm=True."
         )
@@ -52,7 +52,7 @@ def crossdomain_mixstyle_problems(config: ml_collections.ConfigDict) -> list[str
     """Crossdomain MixStyle pairs halves of consecutive domains' minibatches by their
     rows (``sagm_jax.models.mixstyle``): it needs an even ``batch_per_env``, the whole
     batch in one forward (not ``perturbation=per_device``'s shards) and every domain in
-    it (the procedures forward one domain at a time)."""
+    it (the procedures forward in passes of their own)."""
     if not (config.get("mixstyle") is True and config.get("mixstyle_mix") == "crossdomain"):
         return []
     batch, flag = config.get("batch_per_env"), "config.mixstyle_mix=crossdomain"
@@ -65,7 +65,7 @@ def crossdomain_mixstyle_problems(config: ml_collections.ConfigDict) -> list[str
                         "each domain; use --config.perturbation=global.")
     if config.get("algorithm") in rule_names("procedure"):
         problems.append(f"{flag} with config.algorithm={config.get('algorithm')}: the "
-                        "procedures forward one domain at a time; use another update rule.")
+                        "procedures forward in passes of their own; use another update rule.")
     return problems
 
 

@@ -289,7 +289,7 @@ register_update_rule(UpdateRule(
            "domain-adversarial: a discriminator MLP on the features alternates with the "
            "network, which minimises CE - lambda * the discriminator's loss",
            "DomainBed (Ganin et al. 2016)",
-           (83.6, 78.6, 65.9, 46.7, 38.3, 62.6, "SAGM paper")),
+           (83.6, 78.6, 65.9, 46.7, 38.3, 62.6, "DomainBed")),
     "procedure",
     lambda hp, **common: dann(hp, conditional=False),
     network=MethodNetwork(init=adversary_init(conditional=False)),
@@ -298,7 +298,7 @@ register_update_rule(UpdateRule(
     Method("cdann", "CDANN", ADVERSARIAL_HYPERPARAMETERS + (CDANN_BALANCE,),
            "conditional DANN: the discriminator sees features + a class embedding, its "
            "loss class-balanced", "DomainBed (Li et al. 2018)",
-           (82.6, 77.5, 65.8, 45.8, 38.3, 62.0, "SAGM paper")),
+           (82.6, 77.5, 65.8, 45.8, 38.3, 62.0, "DomainBed")),
     "procedure",
     lambda hp, **common: dann(hp, conditional=True),
     network=MethodNetwork(init=adversary_init(conditional=True)),

@@ -296,13 +296,14 @@ def combination_problem(objective: str, algorithm: str, disam_lambda: float) -> 
     Objectives compose with every plain and sharpness-aware rule: the head receives the
     objective's gradient at w and at the perturbed point. The procedures define their
     own per-domain losses (plain cross-entropy of each domain, as DomainBed's), so they
-    take the ``erm`` objective only. DISAM changes the ascent step of a head; ``erm`` and
+    take the ``erm`` objective only (DANN, CDANN, SagNet and mDSDI likewise compute their
+    own losses over the whole batch). DISAM changes the ascent step of a head; ``erm`` and
     the procedures have none."""
     if UPDATE_RULES[algorithm].kind == "procedure" and objective != "erm":
         return (
             f"config.algorithm={algorithm} with config.objective={objective}: {algorithm} is "
-            "its own update from each domain's cross-entropy (DomainBed's), so it takes "
-            "objective erm only; use --config.objective=erm, or an update rule among "
+            "its own update from its own losses (DomainBed's), so it takes objective erm "
+            "only; use --config.objective=erm, or an update rule among "
             f"{', '.join(rule_names('plain') + rule_names('head'))}."
         )
     if disam_lambda and not UPDATE_RULES[algorithm].disam:

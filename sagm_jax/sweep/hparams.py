@@ -67,7 +67,7 @@ import numpy as np
 
 from sagm_jax import methods
 from sagm_jax.data import registry
-from sagm_jax.methods.registry import Distribution, Hyperparameter, choice, fixed, log_uniform
+from sagm_jax.methods.registry import Hyperparameter, choice, fixed, log_uniform
 
 # Our config key -> DomainBed's hyperparameter name, where they differ; the name seeds
 # the draw, so it must be DomainBed's.
@@ -77,6 +77,13 @@ DOMAINBED_NAMES = {
     "fish_meta_lr": "meta_lr",
     "and_mask_tau": "tau",
     "mldg_n_meta_test": "n_meta_test",
+    "dann_lambda": "lambda",
+}
+# DomainBed's other defaults and draws on its SMALL_IMAGES (DANN's and CDANN's).
+MNIST_METHOD_HPARAMS = {
+    "lr_g": (1e-3, log_uniform(-4.5, -2.5)),
+    "lr_d": (1e-3, log_uniform(-4.5, -2.5)),
+    "weight_decay_g": (0.0, fixed(0.0)),
 }
 
 DISAM_DRAW = log_uniform(-2, 0)
@@ -93,24 +100,19 @@ def is_mnist_like(dataset: str) -> bool:
     return registry.get_spec(dataset).kind == "array"
 
 
-def _base2_int(low: float, high: float) -> Distribution:
-    """``int(2 ** U(low, high))``, DomainBed's batch-size draw."""
-    return Distribution(f"int(2^U({low:g},{high:g}))", lambda rng: int(2 ** rng.uniform(low, high)))
-
-
 def shared_hparams(dataset: str) -> tuple[Hyperparameter, ...]:
     """lr, batch_per_env, weight_decay and dropout of ``dataset`` with DomainBed's
     defaults and distributions (the module's table)."""
     if is_mnist_like(dataset):
         return (
             Hyperparameter("lr", 1e-3, "", "", log_uniform(-4.5, -2.5)),
-            Hyperparameter("batch_per_env", 64, "", "", _base2_int(3, 9)),
+            Hyperparameter("batch_per_env", 64, "", "", log_uniform(3, 9, integer=True, base=2)),
             Hyperparameter("weight_decay", 0.0, "", "", fixed(0.0)),
         )
     high = 5 if dataset == "DomainNet" else 5.5
     return (
         Hyperparameter("lr", 5e-5, "", "", log_uniform(-5, -3.5)),
-        Hyperparameter("batch_per_env", 32, "", "", _base2_int(3, high)),
+        Hyperparameter("batch_per_env", 32, "", "", log_uniform(3, high, integer=True, base=2)),
         Hyperparameter("weight_decay", 0.0, "", "", log_uniform(-6, -2)),
         Hyperparameter("dropout", 0.0, "", "", choice((0.0, 0.1, 0.5))),
     )
@@ -129,6 +131,10 @@ def searched_hparams(
     ]
     if disam_lambda > 0:
         own.append(methods.DISAM._replace(default=float(disam_lambda), distribution=DISAM_DRAW))
+    if is_mnist_like(dataset):
+        own = [h._replace(default=MNIST_METHOD_HPARAMS[h.key][0],
+                          distribution=MNIST_METHOD_HPARAMS[h.key][1])
+               if h.key in MNIST_METHOD_HPARAMS else h for h in own]
     return shared_hparams(dataset) + tuple(h for h in own if h.distribution is not None)
 
 

@@ -272,7 +272,7 @@ def _training_loop(
         program.mesh,
     )
     interval = evaluation_interval(config)
-    sums, count = None, 0  # of the step's metrics since the last record, on the device
+    sums = None  # of the step's metrics since the last record, on the device (_accumulate)
     progress = tqdm(
         total=config.steps,
         initial=start,
@@ -285,28 +285,45 @@ def _training_loop(
             if swad_run is not None and swad_run.stopped:
                 break
             state, metrics = program.train_step(state, next(batches), step_key)
-            sums = metrics if sums is None else jax.tree.map(jnp.add, sums, metrics)
-            count += 1
+            sums = _accumulate(sums, metrics)
             progress.update(1)
             if t % config.log_every == 0:
                 loss = _finite_loss(float(metrics["loss"]), t, checkpoints, rundir)
                 progress.set_postfix(loss=f"{loss:.4f}")
                 writer.write_scalars(t, {"train/loss": loss})
             if is_evaluation_step(t, config.steps, interval):
-                means = {k: float(v) / count for k, v in sums.items()}
+                means = {k: float(total) / int(n) for k, (total, n) in sums.items() if int(n)}
                 record = _evaluate(config, program, rundir, checkpoints, state, t, means)
                 records.append(record)
                 writer.write_scalars(t, {k: v for k, v in record.items() if k.endswith("_acc")})
                 if swad_run is not None:
                     state = swad_run.after_evaluation(state, record)
                 checkpoints.save(t, state, validation_accuracy(record, program.train_envs))
-                sums, count = None, 0
+                sums = None
     finally:  # the prefetch thread and the progress bar end even when the loop fails
         batches.close()  # stops the prefetching thread
         progress.close()
         checkpoints.wait()
     writer.flush()
     return records, state
+
+
+def _accumulate(sums, metrics):
+    """Each metric's sum since the last record and the number of steps that reported
+    it: a procedure that alternates reports NaN for the loss its step did not compute
+    (DANN's ``disc_loss`` and ``gen_loss``), and a record holds the mean over the steps
+    that computed it, as DomainBed's means over the steps that returned the key (a key
+    no step computed is left out). ``loss`` counts every step, so a NaN loss stays
+    NaN and stops the run."""
+
+    def reported(key, value):
+        if key == "loss":
+            return value, jnp.ones([], jnp.int32)
+        missing = jnp.isnan(value)
+        return jnp.where(missing, 0.0, value), (~missing).astype(jnp.int32)
+
+    step = {key: reported(key, value) for key, value in metrics.items()}
+    return step if sums is None else jax.tree.map(jnp.add, sums, step)
 
 
 def _evaluate(config, program: Program, rundir: RunDir, checkpoints, state, t, means) -> dict:

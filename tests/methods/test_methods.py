@@ -105,14 +105,15 @@ def test_domainbed_distributions_draw_inside_their_stated_ranges():
         for _ in range(50):
             value = hp.distribution.draw(rng)
             text = hp.distribution.text
-            if text.startswith("10^U(") or text.startswith("int(10^U("):
+            if "^U(" in text:  # 10^U(a,b), int(10^U(a,b)), int(2^U(a,b))
+                base = float(text.removeprefix("int(").split("^")[0])
                 low, high = (float(v) for v in text.split("U(")[1].rstrip(")").split(","))
-                assert 10**low - 1 <= value <= 10**high, (hp.key, value)
+                assert base**low - 1 <= value <= base**high, (hp.key, value)
             elif text.startswith("U("):
                 low, high = (float(v) for v in text[2:-1].split(","))
                 assert low <= value <= high
             else:
-                assert str(value) in text, (hp.key, value)
+                assert f"{value:g}" in text, (hp.key, value)
 
 
 def test_the_methods_page_lists_every_method_as_the_tables_say():
