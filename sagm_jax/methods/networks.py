@@ -74,6 +74,9 @@ class MethodNetwork(NamedTuple):
     # weight decay leaves them out (``decay_mask``), so they stay exactly at init.
     frozen: Callable[[dict], tuple[str, ...]] | None = None
     init_from_network: bool = False
+    # ``learning_rate_multiplier(hp) -> k``: the method's own parameters train at ``k * lr``
+    # in the run's Adam (MIRO's encoders; ``update_rules.rule_optimizer``); None for k = 1.
+    learning_rate_multiplier: Callable[[dict], float] | None = None
 
 
 def split_params(params: dict) -> tuple[dict, dict]:
@@ -178,6 +181,13 @@ def decay_mask(network: MethodNetwork | None, hp: dict):
         return tree
 
     return mask
+
+
+def own_learning_rate_multiplier(network: MethodNetwork | None, hp: dict) -> float:
+    """The learning-rate multiplier of the method's own parameters (1 for none)."""
+    if network is None or network.learning_rate_multiplier is None:
+        return 1.0
+    return float(network.learning_rate_multiplier(hp))
 
 
 def input_shape_for(network: MethodNetwork | None, input_shape) -> tuple:

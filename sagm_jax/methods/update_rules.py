@@ -444,6 +444,7 @@ def rule_optimizer(
     perturbation: str = "global",
     axis_name: Optional[str] = None,
     decay_mask=None,
+    own_learning_rate_multiplier: float = 1.0,
 ) -> optax.GradientTransformationExtraArgs:
     """The registered plain or head rule ``algorithm``: its transforms (its entry's
     ``build`` with its hyperparameters read from ``hp`` by key, the registry's defaults
@@ -460,6 +461,12 @@ def rule_optimizer(
     and ``axis_name`` go to every head (see :func:`sagm`). ``decay_mask`` (optax's
     ``add_decayed_weights`` mask) leaves a method's frozen parameters out of the decay
     (``sagm_jax.methods.networks.decay_mask``).
+
+    ``own_learning_rate_multiplier`` k: the method's own parameters (``params["method"]``)
+    step at learning rate ``k * lr`` in the same Adam (MIRO's encoders, ``lr * lr_mult``),
+    their updates scaled by k after Adam. Exact for PyTorch's Adam with coupled decay: a
+    parameter group's ``lr`` enters its step only as the last factor (the moments of
+    ``d + wd * w`` do not read it), so ``step(k * lr) = k * step(lr)``.
     """
     rule = update_rule(algorithm)
     if rule.kind == "procedure":
@@ -476,7 +483,24 @@ def rule_optimizer(
         optax.add_decayed_weights(weight_decay, mask=decay_mask),
         optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8),
         optax.scale_by_learning_rate(learning_rate),
+        *([] if own_learning_rate_multiplier == 1.0
+          else [scale_own_updates(own_learning_rate_multiplier)]),
     )
+
+
+def scale_own_updates(multiplier: float) -> optax.GradientTransformation:
+    """Multiplies the updates of a method's own parameters (``params["method"]``,
+    ``sagm_jax.methods.networks.OWN``) by ``multiplier``; the network's pass unchanged."""
+    from sagm_jax.methods.networks import OWN
+
+    def update_fn(updates, state, params=None):
+        del params
+        if not isinstance(updates, dict) or OWN not in updates:
+            return updates, state
+        scaled = jax.tree.map(lambda u: u * multiplier, updates[OWN])
+        return {**updates, OWN: scaled}, state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
 def paper_optimizer(
