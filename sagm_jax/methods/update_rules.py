@@ -66,6 +66,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from sagm_jax.methods import networks
 from sagm_jax.methods.registry import (
     Hyperparameter,
     Method,
@@ -484,23 +485,8 @@ def rule_optimizer(
         optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8),
         optax.scale_by_learning_rate(learning_rate),
         *([] if own_learning_rate_multiplier == 1.0
-          else [scale_own_updates(own_learning_rate_multiplier)]),
+          else [networks.scale_own_updates(own_learning_rate_multiplier)]),
     )
-
-
-def scale_own_updates(multiplier: float) -> optax.GradientTransformation:
-    """Multiplies the updates of a method's own parameters (``params["method"]``,
-    ``sagm_jax.methods.networks.OWN``) by ``multiplier``; the network's pass unchanged."""
-    from sagm_jax.methods.networks import OWN
-
-    def update_fn(updates, state, params=None):
-        del params
-        if not isinstance(updates, dict) or OWN not in updates:
-            return updates, state
-        scaled = jax.tree.map(lambda u: u * multiplier, updates[OWN])
-        return {**updates, OWN: scaled}, state
-
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
 def paper_optimizer(

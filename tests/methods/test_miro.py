@@ -161,29 +161,29 @@ def test_two_adam_steps_match_the_reference():
     with jax.enable_x64(True):
         net = f64({k: v for k, v in variables["params"].items() if k != "method"})
         b = f64(variables["params"]["method"]["variance"])
-        oracle = f64(net)
-        moments = [jax.tree.map(jnp.zeros_like, (net, b)) for _ in range(2)]
+        oracle = f64(net)  # the network at step 0
+        groups = [(net, LR), (b, LR * LR_MULT)]  # torch's param groups and their lr
+        moments = [jax.tree.map(lambda w: (0.0 * w, 0.0 * w), g) for g, _ in groups]
         for t in range(2):
             data = batch(M * B, seed=t)
             grads, (loss, reg) = jax.grad(ref_loss, argnums=(0, 1), has_aux=True)(
-                net, b, oracle, jnp.asarray(data["image"], jnp.float64), data["label"], LD)
+                groups[0][0], groups[1][0], oracle, jnp.asarray(data["image"], jnp.float64),
+                data["label"], LD)
             np.testing.assert_allclose(metrics[t]["loss"], loss, **TOL)
             np.testing.assert_allclose(metrics[t]["reg_loss"], reg, **TOL)
-            new = []
-            for group, lr in ((0, LR), (1, LR * LR_MULT)):
-                new.append(jax.tree.map(
-                    lambda w, g, m, v, lr=lr: ref_adam(w, g, m, v, t + 1, lr),
-                    (net, b)[group], grads[group], moments[0][group], moments[1][group]))
-            unzip = [[jax.tree.map(lambda trip, i=i: trip[i], g,
-                                   is_leaf=lambda n: isinstance(n, tuple)) for g in new]
-                     for i in range(3)]
-            (net, b), moments = unzip[0], [tuple(unzip[1]), tuple(unzip[2])]
+            for k, ((w, lr), g) in enumerate(zip(groups, grads)):
+                stepped = jax.tree.map(
+                    lambda w_, g_, mv, lr=lr: ref_adam(w_, g_, mv[0], mv[1], t + 1, lr),
+                    w, g, moments[k], is_leaf=lambda n: isinstance(n, tuple))
+                is_triple = lambda n: isinstance(n, tuple) and len(n) == 3  # noqa: E731
+                groups[k] = (jax.tree.map(lambda r: r[0], stepped, is_leaf=is_triple), lr)
+                moments[k] = jax.tree.map(lambda r: (r[1], r[2]), stepped, is_leaf=is_triple)
     final = states[-1].params
-    np.testing.assert_allclose(final["method"]["variance"]["stem"], b["stem"], **TOL)
-    np.testing.assert_allclose(final["method"]["variance"]["block1"], b["block1"], **TOL)
+    for layer in ("stem", "block1"):
+        np.testing.assert_allclose(final["method"]["variance"][layer], groups[1][0][layer], **TOL)
     for key in ("conv_stem", "layer1", "classifier"):
         for leaf in ("kernel", "bias"):
-            np.testing.assert_allclose(final[key][leaf], net[key][leaf], **TOL)
+            np.testing.assert_allclose(final[key][leaf], groups[0][0][key][leaf], **TOL)
 
 
 def test_the_oracle_stays_bit_identical():
