@@ -149,7 +149,8 @@ MIRO_NETWORK = MethodNetwork(
 
 register_objective(Objective(
     Method("miro", "MIRO", (
-        # config.yaml's 0.1; configs/<dataset>.py set the README's per-dataset values.
+        # config.yaml's 0.1; configs/<dataset>.py set the README's per-dataset values. The
+        # random draw is the MIRO paper's lambda grid (khanrc/miro has no random search).
         Hyperparameter("miro_ld", 0.1, "MIRO's lambda: weight of the regulariser", ">= 0",
                        choice((0.001, 0.01, 0.1, 1.0))),
         Hyperparameter("miro_lr_mult", 10.0,
