@@ -13,6 +13,7 @@ def get_config():
     config.lr = 3e-5
     config.weight_decay = 1e-6
     config.alpha = 5e-4  # SAGM's alpha
+    config.miro_ld = 0.1  # MIRO's lambda (khanrc/miro README), with --config.objective=miro
     config.steps = 15001
     config.swad_eval_every = 500  # SWAD's DomainNet frequency, used with --config.swad=True
     return config

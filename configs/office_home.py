@@ -13,5 +13,6 @@ def get_config():
     config.lr = 1e-5
     config.weight_decay = 1e-4
     config.alpha = 5e-4  # SAGM's alpha
+    config.miro_ld = 0.1  # MIRO's lambda (khanrc/miro README), with --config.objective=miro
     config.steps = 5001
     return config

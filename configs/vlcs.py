@@ -13,6 +13,7 @@ def get_config():
     config.lr = 1e-5
     config.weight_decay = 1e-4
     config.alpha = 1e-3  # SAGM's alpha
+    config.miro_ld = 0.01  # MIRO's lambda (khanrc/miro README), with --config.objective=miro
     config.steps = 5001
     # SWAD's VLCS setting (khanrc/swad's README command), used with --config.swad=True.
     config.swad_eval_every, config.swad_tolerance_ratio = 50, 0.2

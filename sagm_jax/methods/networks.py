@@ -47,6 +47,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 OWN = "method"  # the key of a method's variables in the network's params and batch_stats
 BATCH_PER_ENV = "batch_per_env"  # the config value ``from_config`` adds to a method's hp
@@ -74,6 +75,9 @@ class MethodNetwork(NamedTuple):
     # weight decay leaves them out (``decay_mask``), so they stay exactly at init.
     frozen: Callable[[dict], tuple[str, ...]] | None = None
     init_from_network: bool = False
+    # ``learning_rate_multiplier(hp) -> k``: the method's own parameters train at ``k * lr``
+    # in the run's Adam (MIRO's encoders; ``update_rules.rule_optimizer``); None for k = 1.
+    learning_rate_multiplier: Callable[[dict], float] | None = None
 
 
 def split_params(params: dict) -> tuple[dict, dict]:
@@ -178,6 +182,27 @@ def decay_mask(network: MethodNetwork | None, hp: dict):
         return tree
 
     return mask
+
+
+def own_learning_rate_multiplier(network: MethodNetwork | None, hp: dict) -> float:
+    """The learning-rate multiplier of the method's own parameters (1 for none)."""
+    if network is None or network.learning_rate_multiplier is None:
+        return 1.0
+    return float(network.learning_rate_multiplier(hp))
+
+
+def scale_own_updates(multiplier: float):
+    """An optax transformation multiplying the updates of the method's own parameters
+    (``params[OWN]``) by ``multiplier`` (after Adam: their learning rate times it); the
+    network's pass unchanged."""
+
+    def update_fn(updates, state, params=None):
+        del params
+        if not isinstance(updates, dict) or OWN not in updates:
+            return updates, state
+        return {**updates, OWN: jax.tree.map(lambda u: u * multiplier, updates[OWN])}, state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
 def input_shape_for(network: MethodNetwork | None, input_shape) -> tuple:

@@ -65,6 +65,14 @@ class Outputs(NamedTuple):
     # ``classify(features) -> logits``: the network's classifier at this pass's parameters
     # (``networks.classify``), for objectives that classify other features (RSC, SelfReg).
     classify: Callable[[jax.Array], jax.Array] | None = None
+    # The network's intermediate features of this pass, ``{name: array}`` (``"stem"``,
+    # ``"block1"``, ...; ``sagm_jax.models.resnet.INTERMEDIATES``), when the objective
+    # called ``forward(images, intermediates=True)``; None otherwise.
+    intermediates: Any = None
+    # ``intermediates_at(variables, images) -> {name: array}``: the run's network in
+    # evaluation mode at other ``variables`` (``{"params", "batch_stats"}``, a copy a
+    # method keeps: MIRO's frozen oracle), its intermediate features on ``images``.
+    intermediates_at: Callable[[Any, jax.Array], dict] | None = None
 
 
 class Aux(NamedTuple):
@@ -91,7 +99,8 @@ class Step(NamedTuple):
     ``num_domains`` minibatches in order, its ``state``, the ``step`` counter, ``key`` for
     its random draws, ``advance`` (see :func:`objective_loss`) and ``params``, the
     parameters this pass evaluates (the method's own under ``params["method"]``,
-    ``sagm_jax.methods.networks``)."""
+    ``sagm_jax.methods.networks``). ``forward(images, intermediates=True)`` also fills
+    ``Outputs.intermediates`` (MIRO)."""
 
     hp: dict
     forward: Callable[[jax.Array], Outputs]

@@ -13,6 +13,12 @@ with torch's eps 1e-5. Dropout on the feature is an option (off by default; it
 is not in DomainBed) so the ResNet and this network take the same arguments.
 Initialization mirrors torch's defaults for Conv2d and Linear
 (U(-1/sqrt(fan_in), 1/sqrt(fan_in)) bounds, kaiming-uniform with a = sqrt(5)).
+
+Intermediate features: each call sows (collection ``resnet.INTERMEDIATES``) the output
+of conv block k (conv -> relu -> groupnorm) as ``"block{k}"``, k = 1..4, the network's
+counterpart of the ResNet's four stages (it has no separate stem), for MIRO (DomainBed's
+MNIST networks are not in ``khanrc/miro``). Nothing is stored unless the caller asks
+with ``mutable=[INTERMEDIATES]``.
 """
 
 from __future__ import annotations
@@ -20,7 +26,12 @@ from __future__ import annotations
 import jax
 import flax.linen as nn
 
-from sagm_jax.models.resnet import check_images, classifier_head, torch_linear_init
+from sagm_jax.models.resnet import (
+    INTERMEDIATES,
+    check_images,
+    classifier_head,
+    torch_linear_init,
+)
 
 GROUPNORM_GROUPS = 8
 GROUPNORM_EPS = 1e-5
@@ -72,6 +83,7 @@ class MnistCNN(nn.Module):
             x = nn.GroupNorm(
                 num_groups=GROUPNORM_GROUPS, epsilon=GROUPNORM_EPS, name=f"groupnorm{index}"
             )(x)
+            self.sow(INTERMEDIATES, f"block{index}", x)
         return classifier_head(
             x,
             self.num_classes,

@@ -30,6 +30,14 @@ one, a difference of a factor N / (N - 1) in that update only.
 Variable names mirror torchvision's module names (``conv1``, ``bn1``,
 ``layer1_0/conv2``, ``layer2_0/downsample_conv``, ...), so the mapping to
 torchvision's keys in ``torchvision_weights`` is mechanical.
+
+Intermediate features. Each call sows (Flax's ``sow``, collection
+:data:`INTERMEDIATES`) the stem's output (after the max-pool) as ``"stem"`` and each
+stage's output (after its last block, before a MixStyle layer) as ``"block1"`` ..
+``"block4"``: the outputs of torchvision's ``maxpool`` and ``layer1`` .. ``layer4``,
+the features MIRO regularises (``khanrc/miro``, ``domainbed/networks/ur_networks.py``,
+``URResNet``). ``sow`` stores nothing unless the caller passes
+``mutable=[INTERMEDIATES]``, so the forward is unchanged otherwise.
 """
 
 from __future__ import annotations
@@ -57,6 +65,8 @@ ARCHITECTURES: dict[str, tuple[str, tuple[int, int, int, int]]] = {
 STAGE_WIDTHS = (64, 128, 256, 512)
 EXPANSION = {"basic": 1, "bottleneck": 4}
 MIXSTYLE_STAGES = (1, 2, 3)
+# The collection the networks sow their intermediate features into (``mutable=[...]``).
+INTERMEDIATES = "intermediates"
 
 # torchvision's init for training from scratch: kaiming_normal_(fan_out, relu); JAX's "normal" is untruncated.
 conv_init = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
@@ -241,10 +251,12 @@ class ResNet(nn.Module):
             x = max_pool(x, 3, 2, 1)  # the same numbers, a CPU-friendly gradient (cpu_ops)
         else:
             x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+        self.sow(INTERMEDIATES, "stem", x)
         for stage, (width, blocks) in enumerate(zip(STAGE_WIDTHS, stage_sizes), start=1):
             for index in range(blocks):
                 stride = 2 if stage > 1 and index == 0 else 1
                 x = block_class(width, stride, use_running_average, name=f"layer{stage}_{index}")(x)
+            self.sow(INTERMEDIATES, f"block{stage}", x)
             if stage in self.mixstyle_after:
                 x = MixStyle(
                     self.mixstyle_p,

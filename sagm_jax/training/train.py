@@ -137,7 +137,8 @@ def optimizer_from_config(
     :func:`sagm_jax.methods.update_rules.rule_optimizer` (its head, then Adam with the
     "optimizer" section), a procedure (Fish, AND-mask, MLDG) through
     :func:`sagm_jax.methods.procedures.make_procedure` over ``num_domains`` training
-    domains; each reads its own hyperparameters from the "method" section.
+    domains; each reads its own hyperparameters from the "method" section. A method's
+    own parameters train at its ``learning_rate_multiplier`` times lr (MIRO's encoders).
 
     ``axis_name`` (the device axis of a ``shard_map``) is used by
     ``perturbation="per_device"`` only; the global mode needs none under ``jit``.
@@ -149,11 +150,13 @@ def optimizer_from_config(
             weight_decay=adam["weight_decay"], num_domains=num_domains,
         )
     per_device = adam["perturbation"] == "per_device"
+    network, method_hp = networks.method_network(config)
     return rule_optimizer(
         config.algorithm, hp, learning_rate=adam["lr"], weight_decay=adam["weight_decay"],
         adaptive=adam["adaptive"], perturbation=adam["perturbation"],
         axis_name=axis_name if per_device else None,
-        decay_mask=networks.decay_mask(*networks.method_network(config)),
+        decay_mask=networks.decay_mask(network, method_hp),
+        own_learning_rate_multiplier=networks.own_learning_rate_multiplier(network, method_hp),
     )
 
 

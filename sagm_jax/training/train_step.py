@@ -62,6 +62,7 @@ from sagm_jax.methods.objectives import per_example_cross_entropy
 from sagm_jax.methods.procedures import BatchPasses
 from sagm_jax.config import section
 from sagm_jax.data import device_augment
+from sagm_jax.models.resnet import INTERMEDIATES
 from sagm_jax.methods.registry import update_rule
 from sagm_jax.methods.update_rules import domain_loss_variance
 
@@ -107,14 +108,19 @@ def cross_entropy(logits, labels) -> jax.Array:
 
 
 def _forward(model: nn.Module, params, batch_stats, key, mixstyle, train_batchnorm, compute_dtype):
-    """``forward(images) -> objectives.Outputs(features, logits, batch_stats)``: one training
-    pass at ``params``, dropout and MixStyle drawn from ``key``; the BatchNorm statistics it
+    """``forward(images, intermediates=False) -> objectives.Outputs``: one training pass at
+    ``params``, dropout and MixStyle drawn from ``key``; the BatchNorm statistics it
     returns are updated only with ``train_batchnorm`` or when the method's own modules
-    keep statistics (``networks.MethodModel``)."""
+    keep statistics (``networks.MethodModel``). ``intermediates=True`` also collects the
+    network's sown intermediate features (``Outputs.intermediates``, MIRO); otherwise the
+    pass is the plain one. ``Outputs.intermediates_at`` applies the network at other
+    variables in evaluation mode (:func:`_intermediates_at`)."""
     updates_statistics = train_batchnorm or getattr(model, "trains_statistics", False)
 
-    def forward(images):
+    def forward(images, intermediates=False):
         dropout_key, mixstyle_key = jax.random.split(key)
+        mutable = ["batch_stats"] if updates_statistics else []
+        mutable += [INTERMEDIATES] if intermediates else []
         outputs = apply_model(
             model,
             params,
@@ -125,15 +131,38 @@ def _forward(model: nn.Module, params, batch_stats, key, mixstyle, train_batchno
             mixstyle=mixstyle,
             features=True,
             rngs={"dropout": dropout_key, "mixstyle": mixstyle_key},
-            mutable=["batch_stats"] if updates_statistics else False,
+            mutable=mutable or False,
         )
-        (features, logits), updated = outputs if updates_statistics else (outputs, {})
+        (features, logits), updated = outputs if mutable else (outputs, {})
         return objectives.Outputs(
             features, logits, updated.get("batch_stats", batch_stats),
             lambda other: networks.classify(params, other, compute_dtype),
+            _sown(updated[INTERMEDIATES]) if intermediates else None,
+            _intermediates_at(model, compute_dtype),
         )
 
     return forward
+
+
+def _sown(collection) -> dict:
+    """``{name: array}`` of a sown collection (Flax's ``sow`` keeps a tuple per name)."""
+    return {name: values[-1] for name, values in collection.items()}
+
+
+def _intermediates_at(model, compute_dtype):
+    """``(variables, images) -> {name: array}``: the run's network (without a method's
+    wrapper) at ``variables`` in evaluation mode (BatchNorm's running statistics, no
+    dropout, no MixStyle), its sown intermediate features."""
+    network = model.model if isinstance(model, networks.MethodModel) else model
+
+    def intermediates_at(variables, images):
+        _, sown = apply_model(
+            network, variables["params"], variables.get("batch_stats", {}), images,
+            compute_dtype, train=False, features=True, mutable=[INTERMEDIATES],
+        )
+        return _sown(sown[INTERMEDIATES])
+
+    return intermediates_at
 
 
 class StepMethod(NamedTuple):
