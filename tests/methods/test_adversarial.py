@@ -189,10 +189,10 @@ def check_against_reference(name, hp, params, images, labels, steps=3):
 
 
 def test_registry_entries():
-    assert methods.rule_names("procedure")[-2:] == ("dann", "cdann")
+    assert {"dann", "cdann"} <= set(methods.rule_names("procedure"))
     dann, cdann = methods.update_rule("dann"), methods.update_rule("cdann")
-    assert dann.method.published == (83.6, 78.6, 65.9, 46.7, 38.3, 62.6, "SAGM paper")
-    assert cdann.method.published == (82.6, 77.5, 65.8, 45.8, 38.3, 62.0, "SAGM paper")
+    assert dann.method.published == (83.6, 78.6, 65.9, 46.7, 38.3, 62.6, "DomainBed")
+    assert cdann.method.published == (82.6, 77.5, 65.8, 45.8, 38.3, 62.0, "DomainBed")
     keys = [h.key for h in cdann.method.hyperparameters]
     assert keys == [h.key for h in dann.method.hyperparameters] + ["cdann_balance"]
     draws = {h.key: h.distribution.text for h in dann.method.hyperparameters}

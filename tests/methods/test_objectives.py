@@ -46,7 +46,7 @@ def make_batch(num_domains, per_domain, seed=0):
 
 # The objectives a forward of the network alone evaluates: MTL's loss reads its own
 # classifier from Step.params (tests/methods/test_adaptive.py checks it).
-NETWORK_ALONE = [name for name in methods.OBJECTIVES if name != "mtl"]
+NETWORK_ALONE = [name for name in methods.OBJECTIVES if name not in ("mtl", "miro")]
 
 
 def make_forward(params, calls=None, dtype=jnp.float32):
