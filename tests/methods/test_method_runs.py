@@ -16,10 +16,11 @@ from run_fixtures import digits_config
 # an objective whose anneal switches and restarts Adam inside the run, under a head (whose
 # second pass needs the objective's gradient at the perturbed point), and an objective
 # with random draws under DISAM on GSAM; below, a feature penalty (CORAL + SAGM + DISAM)
-# and a procedure (MLDG) on 1 and 8 devices (SAGM's path: the record's loss and
-# accuracies, the weights); GroupDRO, IRM and Fish resumed; CutMix on an
-# image folder. ERM, SAM and a procedure also train in
-# tests/test_extending.py, plain SAGM in tests/training/test_train.py.
+# and a whole-batch procedure with its own module (SagNet) on 1 and 8 devices (the
+# record's loss and accuracies, the weights); GroupDRO, IRM, DANN and SAGM + MIRO + SWAD
+# resumed; CutMix and a whole-batch procedure on an image folder. ERM, SAM and a
+# per-domain procedure also train in tests/test_extending.py, plain SAGM in
+# tests/training/test_train.py, each method once in its own test file.
 COMBINATIONS = [
     dict(objective="irm", algorithm="sagm"),
     dict(objective="mixup", algorithm="gsam", disam_lambda=0.5),
@@ -52,7 +53,7 @@ def test_every_method_trains_end_to_end(tmp_path, method):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "method",
-    [dict(objective="coral", algorithm="sagm", disam_lambda=0.5), dict(algorithm="mldg")],
+    [dict(objective="coral", algorithm="sagm", disam_lambda=0.5), dict(algorithm="sagnet")],
     ids=lambda m: "-".join(map(str, m.values())),
 )
 def test_a_method_on_eight_devices_is_the_one_device_run(tmp_path, method):
@@ -96,16 +97,18 @@ def _stop_before(step_to_stop, monkeypatch):
     "method",
     [
         # The state beyond the optimizer's: GroupDRO's q (under a head, with DISAM and
-        # Mixup's draws), IRM's Adam restart on the first step after the resume, Fish's
-        # persistent inner Adam. Random draws (Mixup's, MLDG's permutation) are functions
+        # Mixup's draws), IRM's Adam restart on the first step after the resume, the
+        # alternation of two Adams (DANN's, by the step counter) over the network and its
+        # own discriminator. Random draws (Mixup's, MLDG's permutation) are functions
         # of (seed, step), as dropout's, which tests/training/test_train.py resumes.
         dict(objective="groupdro", algorithm="sagm", disam_lambda=0.5),
         dict(objective="irm", algorithm="erm", irm_penalty_anneal_iters=3),
-        dict(algorithm="fish"),
-        # SWAD under SAGM: its weight averages and the loss valley's state resume too
-        # (tolerance 100: the valley lives on to the end, whose average is recorded).
-        dict(algorithm="sagm", swad=True, steps=9, swad_eval_every=2, swad_n_converge=2,
-             swad_n_tolerance=3, swad_tolerance_ratio=100.0),
+        dict(algorithm="dann"),
+        # SAGM + MIRO with SWAD: its encoders, its frozen oracle (in batch_stats), SWAD's
+        # weight averages and the loss valley's state resume too (tolerance 100: the
+        # valley lives on to the end, whose average is recorded).
+        dict(objective="miro", algorithm="sagm", swad=True, steps=9, swad_eval_every=2,
+             swad_n_converge=2, swad_n_tolerance=3, swad_tolerance_ratio=100.0),
     ],
     ids=lambda m: "-".join(map(str, m.values()))[:40],
 )
@@ -136,14 +139,15 @@ def test_a_stateful_method_resumes_exactly(tmp_path, monkeypatch, method):
 
 
 @pytest.mark.slow
-def test_a_method_trains_on_an_image_folder_through_the_device_input(tmp_path):
+@pytest.mark.parametrize("method", [dict(objective="cutmix", algorithm="sagm", disam_lambda=0.5),
+                                    dict(algorithm="dann")], ids=("cutmix", "dann"))
+def test_a_method_trains_on_an_image_folder_through_the_device_input(tmp_path, method):
     """CutMix (an objective that cuts boxes out of the augmented images) under DISAM on
-    SAGM. The procedures' per-domain passes read any batch alike: Fish and MLDG train end
-    to end on RotatedDigits above (a new procedure in tests/test_extending.py), and
-    AND-mask's update is checked step by step in tests/methods/test_procedures.py."""
+    SAGM, and DANN (a whole-batch procedure with a module of its own). The per-domain
+    procedures (Fish, AND-mask, MLDG) read any batch alike: a new one trains end to end
+    in tests/test_extending.py, and each one's update is checked step by step in
+    tests/methods/test_procedures.py."""
     from run_fixtures import tiny_folder_config, write_image_tree
-
-    method = dict(objective="cutmix", algorithm="sagm", disam_lambda=0.5)
 
     write_image_tree(tmp_path / "data", n=4)
     config = tiny_folder_config(
