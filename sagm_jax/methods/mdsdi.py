@@ -27,7 +27,7 @@ decay; the authors' configs: lr 5e-5, no weight decay)::
     # 2. at the new w, a first-order meta step on theta = (zs, classifier)
     for j in 1..D:  tr = B \\ B_j, te = B_j
         l_tr, g_tr = CE_tr(theta), grad CE_tr(theta)      # zi fixed at the new w
-        theta' = first_adam_step(theta, g_tr)               # a fresh inner Adam
+        theta' = first_adam_step(theta, g_tr)     # a fresh inner Adam(lr, wd): one step
         l_te, g_te = CE_te(theta'), grad CE_te(theta')      # no derivative through theta'
         G += (g_tr + beta * g_te) / D                       # beta = mdsdi_meta_test_weight
     theta <- Adam_meta step of G
@@ -35,9 +35,21 @@ decay; the authors' configs: lr 5e-5, no weight decay)::
 ``Adam_main`` and ``Adam_meta`` keep their own moments and counts (both step every
 iteration); ``zs`` and ``classifier`` are in both. The reported ``loss`` is
 ``L_cls + L_dc + L_zsc + L_dis``, besides each term and the meta losses' means over j.
-The reference pairs the domains in a random order (``random_pairs_of_minibatches``);
-the meta gradient is a sum over all D pairs of row-wise means (BatchNorm frozen), so the
-order changes nothing but rounding: the pairs go in domain order, with no draw.
+
+Computed here, with the same result:
+
+* ``L_dis`` as ``sum_n |zi_c[n]|^2 |zs_c[n]|^2 / (N F^2)``, without the [N, F, F]
+  tensor (:func:`disentangle_loss`).
+* The reference pairs the domains in a random order (``random_pairs_of_minibatches``)
+  and forwards the meta-train and meta-test rows on their own. The meta gradient is a
+  sum over all D pairs of row-wise means, so the order changes nothing but rounding:
+  the pairs go in domain order, with no draw. Each pass runs over the whole batch and
+  the loss is the mean over the pair's rows (a mask): the network treats rows
+  independently (the procedures run with BatchNorm frozen), and the batch keeps its
+  sharding. A ``lax.scan`` over j compiles the pair once.
+* Every pass runs both encoders (the method's prediction), so ``zi`` and ``zs`` of one
+  pass share the dropout key (the same mask when ``resnet_dropout > 0``; DomainBed's
+  default 0 and the digits CNN have none); the reference draws them apart.
 """
 
 from __future__ import annotations
@@ -193,43 +205,35 @@ def main_loss(group: dict, params: dict, passes, key) -> tuple[jax.Array, dict]:
     return sum(terms.values()), terms
 
 
-def meta_split(passes, j: int):
-    """``(meta-train images, labels), (meta-test images, labels)``: every domain's
-    minibatch but the j-th, in domain order, and the j-th."""
-    images = passes.images.reshape(passes.num_domains, -1, *passes.images.shape[1:])
-    labels = passes.labels.reshape(passes.num_domains, -1)
-    others = [m for m in range(passes.num_domains) if m != j]
-    train = (jnp.concatenate([images[m] for m in others]),
-             jnp.concatenate([labels[m] for m in others]))
-    return train, (images[j], labels[j])
-
-
 def meta_gradient(params: dict, passes, key, *, meta_test_weight: float,
                   learning_rate: float, weight_decay: float):
     """``G`` over ``theta = (zs, classifier)`` (META_GROUP) at ``params`` (the module
     docstring's step 2) and the means over j of ``l_tr`` and ``l_te``."""
 
-    def cross_entropy_at(theta, data, pass_key):
-        out = passes.forward_at(with_group(params, theta), pass_key)(data[0])
-        return jnp.mean(per_example_cross_entropy(out.logits, data[1]))
+    domains = jnp.arange(passes.labels.shape[0]) // (passes.labels.shape[0] // passes.num_domains)
+
+    def cross_entropy_at(theta, rows, pass_key):
+        out = passes.forward_at(with_group(params, theta), pass_key)(passes.images)
+        per_example = per_example_cross_entropy(out.logits, passes.labels)
+        return jnp.sum(jnp.where(rows, per_example, 0.0)) / jnp.sum(rows)
 
     theta = parameter_group(params, META_GROUP)
-    grad = jax.tree.map(jnp.zeros_like, theta)
-    train_losses, test_losses = [], []
-    for j in range(passes.num_domains):
-        train, test = meta_split(passes, j)
+
+    def pair(grad, j):  # one (meta-train, meta-test) pair; a scan compiles it once
         loss_tr, grad_tr = jax.value_and_grad(cross_entropy_at)(
-            theta, train, jax.random.fold_in(key, 2 * j))
+            theta, domains != j, jax.random.fold_in(key, 2 * j))
         inner = first_adam_step(theta, grad_tr, learning_rate, weight_decay)
         loss_te, grad_te = jax.value_and_grad(cross_entropy_at)(
-            inner, test, jax.random.fold_in(key, 2 * j + 1))
+            inner, domains == j, jax.random.fold_in(key, 2 * j + 1))
         grad = jax.tree.map(
             lambda acc, g_tr, g_te: acc + g_tr / passes.num_domains
             + meta_test_weight * g_te / passes.num_domains, grad, grad_tr, grad_te)
-        train_losses.append(loss_tr)
-        test_losses.append(loss_te)
-    return grad, {"meta_train_loss": jnp.mean(jnp.stack(train_losses)),
-                  "meta_test_loss": jnp.mean(jnp.stack(test_losses))}
+        return grad, (loss_tr, loss_te)
+
+    grad, (train_losses, test_losses) = jax.lax.scan(
+        pair, jax.tree.map(jnp.zeros_like, theta), jnp.arange(passes.num_domains))
+    return grad, {"meta_train_loss": jnp.mean(train_losses),
+                  "meta_test_loss": jnp.mean(test_losses)}
 
 
 def mdsdi(meta_test_weight: float, *, learning_rate: float, weight_decay: float,

@@ -164,8 +164,13 @@ def ref_params(params):
 # ---------------------------------------------------------------- tests
 
 
-def test_three_steps_match_the_authors_update():
-    _, variables, states, metrics = run_steps(3)
+@pytest.fixture(scope="module")
+def trained():
+    return run_steps(3)
+
+
+def test_three_steps_match_the_authors_update(trained):
+    _, variables, states, metrics = trained
     jax.config.update("jax_enable_x64", True)
     try:
         p = ref_params(variables["params"])
@@ -196,8 +201,8 @@ def test_three_steps_match_the_authors_update():
         jax.config.update("jax_enable_x64", False)
 
 
-def test_prediction_is_the_classifier_on_both_encoders():
-    model, _, states, _ = run_steps(1)
+def test_prediction_is_the_classifier_on_both_encoders(trained):
+    model, _, states, _ = trained
     variables = {"params": states[-1].params}
     x = batch(5, seed=11)["image"]
     logits = model.apply(variables, jnp.asarray(x), train=False)
