@@ -65,7 +65,6 @@ from sagm_jax.methods.registry import (
     Hyperparameter,
     Method,
     UpdateRule,
-    fixed,
     register_update_rule,
 )
 from sagm_jax.models.resnet import torch_linear_init
@@ -272,7 +271,8 @@ register_update_rule(UpdateRule(
     Method("mdsdi", "mDSDI", (
         Hyperparameter("mdsdi_meta_test_weight", 1.0,
                        "weight of the meta-test gradient in mDSDI's meta step (the "
-                       "reference's literal 1.0)", ">= 0", fixed(1.0)),
+                       "reference's literal 1.0; the authors draw no random value, so a "
+                       "sweep keeps it)", ">= 0"),
     ), "domain-invariant encoder (adversarial) + domain-specific copy (domain "
        "classifier, decorrelated), classifier on both; first-order meta step on the "
        "domain-specific part", "Bui et al. 2021 (hamanhbui/mDSDI)",
