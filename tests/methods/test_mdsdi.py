@@ -22,7 +22,7 @@ from sagm_jax.training.train_step import StepMethod, create_train_state, make_tr
 HEIGHT, WIDTH, CHANNELS, DIM, CLASSES = 2, 2, 2, 3, 4
 M, B = 3, 2  # domains, rows per domain
 LR, WD = 0.01, 0.1
-TOL = dict(rtol=2e-4, atol=2e-6)
+TOL = {"rtol": 2e-4, "atol": 2e-6}
 
 
 class TinyNet(nn.Module):
@@ -222,6 +222,7 @@ def test_recorded_accuracies_are_the_methods_prediction(tmp_path):
     """A 3-step RotatedDigits run: ``load_run`` gives the method's model, whose
     evaluation over the evaluator's batches reproduces the record."""
     from run_fixtures import digits_config
+
     from sagm_jax import data as data_lib
     from sagm_jax.training import evaluation, loading, train
 
