@@ -275,8 +275,7 @@ register_update_rule(UpdateRule(
                        "sweep keeps it)", ">= 0"),
     ), "domain-invariant encoder (adversarial) + domain-specific copy (domain "
        "classifier, decorrelated), classifier on both; first-order meta step on the "
-       "domain-specific part", "Bui et al. 2021 (hamanhbui/mDSDI)",
-        (86.2, 79.0, 69.2, 48.1, 42.8, 65.1, "SAGM paper")),
+       "domain-specific part", "Bui et al. 2021 (hamanhbui/mDSDI)"),
     "procedure",
     lambda hp, **common: mdsdi(float(hp["mdsdi_meta_test_weight"]), **common),
     network=MethodNetwork(init=init_mdsdi, predict=predict_mdsdi, init_from_network=True),

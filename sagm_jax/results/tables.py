@@ -71,6 +71,19 @@ def _row_order() -> tuple[str, ...]:
 
 
 ROW_ORDER = _row_order()
+# The rows of the paper's Table 1 (Wang et al. 2023), in its order: by published average,
+# the sharpness-aware rules last. Each is ``(objective, update rule)``; MixStyle's row is
+# ERM's with the MixStyle suffix.
+_TABLE_1 = (
+    ("mmd", "erm"), "mixstyle", ("groupdro", "erm"), ("irm", "erm"), ("arm", "erm"),
+    ("vrex", "erm"), ("erm", "cdann"), ("erm", "and_mask"), ("erm", "dann"), ("rsc", "erm"),
+    ("mtl", "erm"), ("mixup", "erm"), ("erm", "mldg"), ("erm", "erm"), ("erm", "fish"),
+    ("erm", "sagnet"), ("selfreg", "erm"), ("coral", "erm"), ("erm", "mdsdi"),
+    ("miro", "erm"), ("erm", "sam"), ("erm", "gsam"), ("erm", "sagm"),
+)
+TABLE_1_ROWS = tuple(
+    ERM + MIXSTYLE if row == "mixstyle" else methods.method_label(*row) for row in _TABLE_1
+)
 # The rows of the paper's Table 2, shown with "-" when the sweep has no runs of them.
 TABLE_2_ROWS = (
     *ROW_ORDER[: ROW_ORDER.index(ERM + MIXSTYLE) + 1],
@@ -234,21 +247,34 @@ def render_table(
 # --- Tables --------------------------------------------------------------------
 
 
-def comparison_table(title: str, ood: Sweep, methods, latex: bool, pm: str) -> str:
+def comparison_table(title: str, ood: Sweep, methods, latex: bool, pm: str,
+                     published=None) -> str:
     """Rows = ``methods``, columns = datasets (each its per-seed mean over test
-    environments) and their average: Tables 1 and 3."""
+    environments) and their average: Tables 1 and 3; ``published(method) -> text`` adds
+    a last column "Published avg"."""
     rows = []
     for method in methods:
         cells = [ood.dataset_cell(d, method) for d in ood.datasets]
         rows.append(
             [method, *[format_cell(c, latex, pm) for c in cells], format_average(cells, latex)]
+            + ([published(method)] if published else [])
         )
-    return render_table(title, ["Algorithm", *ood.datasets, "Avg"], rows, latex)
+    header = ["Algorithm", *ood.datasets, "Avg"] + (["Published avg"] if published else [])
+    return render_table(title, header, rows, latex)
 
 
 def table_1(ood: Sweep, name: str, latex: bool, pm: str) -> str:
+    """Every row of the paper's Table 1 in its order ("-" without runs), then the sweep's
+    other methods, each with its published average over the five DomainBed datasets
+    and its source (``methods.published``; the README's methods table gives each
+    dataset's figure)."""
     title = f"Table 1: out-of-domain accuracy (%), model selection: {name}"
-    return comparison_table(title, ood, ood.methods, latex, pm)
+    published = methods.published()
+    rows = [*TABLE_1_ROWS, *(m for m in ood.methods if m not in TABLE_1_ROWS)]
+    return comparison_table(
+        title, ood, rows, latex, pm,
+        published=lambda m: methods.published_text(published.get(m), average_only=True),
+    )
 
 
 def dataset_table(ood: Sweep, dataset: str, env_names, name: str, latex: bool, pm: str) -> str:
