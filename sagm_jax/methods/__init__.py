@@ -10,6 +10,7 @@ from sagm_jax.methods.registry import (  # noqa: F401
     DISAM_PUBLISHED,
     SWAD_PUBLISHED,
     published,
+    published_text,
     KINDS,
     OBJECTIVES,
     UPDATE_RULES,

@@ -350,7 +350,7 @@ def markdown_table() -> str:
     rows += [row(o.method, f"objective={name}") for name, o in OBJECTIVES.items()]
     rows.append(  # a network option (sagm_jax.models.mixstyle), not a registry entry
         "| ERM + MixStyle | `mixstyle=True` | `mixstyle_p` 0.5; `mixstyle_alpha` 0.1; "
-        "`mixstyle_mix` random (crossdomain: Mixstyle2) | DomainBed (Zhou et al. 2021); "
+        "`mixstyle_mix` random (crossdomain: Mixstyle2) | Zhou et al. 2021 (SWAD repository); "
         "SAGM repository (Mixstyle2) | - |"
     )
     rows += [row(r.method, f"algorithm={name}") for name, r in UPDATE_RULES.items()]

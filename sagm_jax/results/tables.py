@@ -87,7 +87,7 @@ TABLE_1_ROWS = tuple(
 # The rows of the paper's Table 2, shown with "-" when the sweep has no runs of them.
 TABLE_2_ROWS = (
     *ROW_ORDER[: ROW_ORDER.index(ERM + MIXSTYLE) + 1],
-    *(methods.method_label("erm", p) for p in methods.rule_names("procedure")),
+    *(methods.method_label("erm", p) for p in ("fish", "and_mask", "mldg")),
     *(methods.method_label("erm", h) for h in ("sam", "gsam", "sagm")),
     methods.method_label("erm", "sagm") + MIXSTYLE,
 )
@@ -188,6 +188,19 @@ def method_order(name: str):
     return (len(ROW_ORDER), 0, name, swad)
 
 
+def table_1_order(name: str):
+    """Sort key of Table 1's rows: the paper's rows in its order (``TABLE_1_ROWS``), each
+    followed by its MixStyle and "+ SWAD" rows; then the other rows by
+    :func:`method_order`."""
+    swad = name.endswith(SWAD)
+    base = name[: -len(SWAD)] if swad else name
+    mixstyle = base.endswith(MIXSTYLE) and base not in TABLE_1_ROWS
+    method = base[: -len(MIXSTYLE)] if mixstyle else base
+    if method in TABLE_1_ROWS:
+        return (0, TABLE_1_ROWS.index(method), mixstyle, swad)
+    return (1, method_order(name))
+
+
 def format_cell(cell: Cell | None, latex: bool, pm: str = PLUS_MINUS[0]) -> str:
     """``mean pm s.e.`` (``$\\pm$`` in LaTeX), with ``(k/n)`` when seeds are missing."""
     if cell is None:
@@ -270,7 +283,7 @@ def table_1(ood: Sweep, name: str, latex: bool, pm: str) -> str:
     dataset's figure)."""
     title = f"Table 1: out-of-domain accuracy (%), model selection: {name}"
     published = methods.published()
-    rows = [*TABLE_1_ROWS, *(m for m in ood.methods if m not in TABLE_1_ROWS)]
+    rows = sorted(set(TABLE_1_ROWS) | set(ood.methods), key=table_1_order)
     return comparison_table(
         title, ood, rows, latex, pm,
         published=lambda m: methods.published_text(published.get(m), average_only=True),

@@ -218,10 +218,22 @@ def test_the_arrow_is_welchs_not_students():
 
 
 def test_tables_1_and_per_dataset_list_the_new_rows_in_order(sweep_dir):
+    """Table 1: every row of the paper's Table 1 in its order, "-" without runs, a
+    MixStyle row after its method, then the sweep's other rows; the per-dataset tables:
+    the sweep's rows in the tables' order."""
     report = collect_results.build_report(sweep_dir, "training_domain")
     order = ["ERM", "ERM + Mixup", "Fish", "SAGM + MixStyle", "SAGM + CORAL", "DISAM on SAGM"]
-    for title in ("Table 1", "PACS"):
-        assert [r.split(" | ")[0][2:] for r in table(report, title)[1:]] == order
+    assert [r.split(" | ")[0][2:] for r in table(report, "PACS")[1:]] == order
+    paper = ["MMD", "ERM + MixStyle", "GroupDRO", "IRM", "ARM", "VREx", "CDANN", "AND-mask",
+             "DANN", "RSC", "MTL", "ERM + Mixup", "MLDG", "ERM", "Fish", "SagNet", "SelfReg",
+             "CORAL", "mDSDI", "MIRO", "SAM", "GSAM", "SAGM"]
+    rows = table(report, "Table 1")[1:]
+    assert [r.split(" | ")[0][2:] for r in rows] == paper + [
+        "SAGM + MixStyle", "SAGM + CORAL", "DISAM on SAGM"]
+    published = {r.split(" | ")[0][2:]: r.split(" | ")[-1].rstrip(" |") for r in rows}
+    assert published["SAGM"] == "66.1 (SAGM paper)" and published["DANN"] == "62.6 (DomainBed)"
+    assert published["MIRO"] == "65.9 (MIRO README)" and published["SelfReg"] == "-"
+    assert table(report, "Table 1")[-3].split(" | ")[1] != "-"  # SAGM + MixStyle ran
     fish = 100 * per_seed("Fish", "domainbed")
     assert f"| Fish | {fish.mean():.1f} ± {fish.std() / 2:.1f} | {fish.mean():.1f} |" in report
 
