@@ -54,3 +54,39 @@ def tiny_folder_config(tmp_path, **overrides):
     )
     config.update(overrides)
     return config
+
+
+def assert_the_evaluation_reproduces_the_record(workdir, which):
+    """``load_run(workdir, which)`` on a RotatedDigits run (test environment 0): its
+    model's evaluation over the evaluator's batches reproduces the record's accuracies,
+    and on the unpadded batches its argmax, counted here, is the evaluation's count
+    (the padded last batch's count is the evaluator's own). Returns ``(model,
+    variables)``."""
+    import jax
+    import jax.numpy as jnp
+
+    from sagm_jax import data as data_lib
+    from sagm_jax.training import evaluation, loading
+    from sagm_jax.training.rundir import read_config
+
+    model, variables, record = loading.load_run(str(workdir), which)
+    config = read_config(str(workdir))
+    dataset = data_lib.load("RotatedDigits", None, trial_seed=0, data_seed=0)
+    evaluate = evaluation.make_eval_step(model, jnp.float32, config["seed"],
+                                         config["image_size"])
+    apply = jax.jit(lambda v, x: model.apply(v, x, train=False))
+    unpadded = 0
+    for env, part in ((0, "in"), (0, "out"), (1, "out")):
+        correct = counted = 0
+        for b in dataset.eval_iterator(env, part, batch_size=config["eval_batch_size"],
+                                       batch_multiple=jax.device_count()):
+            hits, rows, _ = evaluate(variables["params"], variables["batch_stats"], b)
+            correct, counted = correct + int(hits), counted + int(rows)
+            if np.all(b["mask"]):
+                logits = apply(variables, jnp.asarray(b["image"], jnp.float32))
+                ours = np.argmax(np.asarray(logits), -1) == np.asarray(b["label"])
+                assert int(ours.sum()) == int(hits)
+                unpadded += 1
+        assert correct / counted == record[f"env{env}_{part}_acc"], (env, part)
+    assert unpadded
+    return model, variables

@@ -20,6 +20,8 @@ from sagm_jax.methods.update_rules import rule_optimizer
 from sagm_jax.training import train_step as train_step_lib
 from sagm_jax.training.train_step import StepMethod, create_train_state, make_train_step
 
+from float64_reference import adam_init, f64, ref_ce, torch_adam
+
 HEIGHT, WIDTH, CHANNELS, DIM, CLASSES = 4, 5, 2, 3, 4
 M, B = 2, 3  # domains, rows per domain (the support size)
 LR = 0.01
@@ -73,8 +75,6 @@ def run_steps(objective, hp, channels, algorithm="erm", wd=0.0, steps=2, rule_hp
 # ---------------------------------------------------------------- float64 re-statement
 
 
-def f64(tree):
-    return jax.tree.map(lambda a: jnp.asarray(np.asarray(a), jnp.float64), tree)
 
 
 def ref_tiny(p, x):
@@ -123,24 +123,10 @@ def ref_arm(net, weights, stats, x, support, train):
     return ref_tiny(net, jnp.concatenate([x, context], -1))[1], stats
 
 
-def ref_ce(logits, y):
-    return -jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1)[:, 0]
 
 
-def ref_adam(params, grads, state, wd):
-    """torch.optim.Adam (coupled L2, eps 1e-8), on pytrees."""
-    t = state["t"] + 1
-    g = jax.tree.map(lambda gr, p: gr + wd * p, grads, params)
-    m = jax.tree.map(lambda a, b: 0.9 * a + 0.1 * b, state["m"], g)
-    v = jax.tree.map(lambda a, b: 0.999 * a + 0.001 * b * b, state["v"], g)
-    new = jax.tree.map(lambda p, a, b: p - LR * (a / (1 - 0.9**t))
-                       / (jnp.sqrt(b / (1 - 0.999**t)) + 1e-8), params, m, v)
-    return new, {"t": t, "m": m, "v": v}
 
 
-def adam_init(params):
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    return {"t": 0, "m": zeros, "v": zeros}
 
 
 def assert_close(got, want, **tol):
@@ -179,11 +165,11 @@ def test_arm_two_adam_steps(context, wd):
             if context == "trained":
                 (value, new_stats), g = jax.jit(jax.value_and_grad(
                     lambda q: loss(q["net"], q["context"]), has_aux=True))(trained)
-                trained, adam = ref_adam(trained, g, adam, wd)
+                trained, adam = torch_adam(trained, g, adam, LR, wd)
             else:
                 (value, new_stats), g = jax.jit(jax.value_and_grad(
                     lambda p: loss(p, trained["context"]), has_aux=True))(trained["net"])
-                net, adam = ref_adam(trained["net"], g, adam, wd)
+                net, adam = torch_adam(trained["net"], g, adam, LR, wd)
                 trained = {"net": net, "context": trained["context"]}
             stats = new_stats
             np.testing.assert_allclose(float(metrics[t]["loss"]), float(value), **TOL)
@@ -270,7 +256,7 @@ def test_mtl_two_adam_steps_and_embeddings(embedding):
                 return ref_mtl(net, q["clf"], stored, x, y, ema, noise)
 
             (value, stored), g = jax.value_and_grad(loss, has_aux=True)(trained)
-            trained, adam = ref_adam(trained, g, adam, wd)
+            trained, adam = torch_adam(trained, g, adam, LR, wd)
             got = states[t + 1]
             np.testing.assert_allclose(float(metrics[t]["loss"]), float(value), **TOL)
             assert_close(got.params["body"], trained["body"])
@@ -353,28 +339,10 @@ def test_recorded_accuracies_are_the_methods_prediction(tmp_path, objective, whi
     ``load_run`` gives the method's model, whose evaluation over the evaluator's batches
     reproduces the record; on the unpadded batches its argmax, counted here, is the
     evaluation's count (the padded last batch's count is the evaluator's own)."""
-    from run_fixtures import digits_config
-    from sagm_jax import data as data_lib
-    from sagm_jax.training import evaluation, loading, train
+    from run_fixtures import assert_the_evaluation_reproduces_the_record, digits_config
+    from sagm_jax.training import train
 
     config = digits_config(steps=3, objective=objective, test_envs=(0,), **overrides)
     train.train_and_evaluate(config, str(tmp_path))
-    model, variables, record = loading.load_run(str(tmp_path), which)
+    model, variables = assert_the_evaluation_reproduces_the_record(tmp_path, which)
     assert isinstance(model, networks.MethodModel) and "method" in variables["params"]
-    dataset = data_lib.load("RotatedDigits", None, trial_seed=0, data_seed=0)
-    evaluate = evaluation.make_eval_step(model, jnp.float32, config.seed, config.image_size)
-    apply = jax.jit(lambda v, x: model.apply(v, x, train=False))
-    unpadded = 0
-    for env, part in ((0, "in"), (0, "out"), (1, "out")):
-        correct = counted = 0
-        for b in dataset.eval_iterator(env, part, batch_size=config.eval_batch_size,
-                                       batch_multiple=jax.device_count()):
-            hits, rows, _ = evaluate(variables["params"], variables["batch_stats"], b)
-            correct, counted = correct + int(hits), counted + int(rows)
-            if np.all(b["mask"]):
-                logits = apply(variables, jnp.asarray(b["image"], jnp.float32))
-                ours = np.argmax(np.asarray(logits), -1) == np.asarray(b["label"])
-                assert int(ours.sum()) == int(hits)
-                unpadded += 1
-        assert correct / counted == record[f"env{env}_{part}_acc"], (env, part)
-    assert unpadded

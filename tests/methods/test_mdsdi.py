@@ -19,6 +19,8 @@ from sagm_jax.methods import networks
 from sagm_jax.methods.procedures import make_procedure
 from sagm_jax.training.train_step import StepMethod, create_train_state, make_train_step
 
+from float64_reference import adam_init, f64, torch_adam
+
 HEIGHT, WIDTH, CHANNELS, DIM, CLASSES = 2, 2, 2, 3, 4
 M, B = 3, 2  # domains, rows per domain
 LR, WD = 0.01, 0.1
@@ -70,8 +72,6 @@ def run_steps(steps=3):
 # ---------------------------------------------------------------- float64 re-statement
 
 
-def f64(tree):
-    return jax.tree.map(lambda a: jnp.asarray(np.asarray(a), jnp.float64), tree)
 
 
 def encode(p, x):
@@ -104,20 +104,8 @@ def ref_losses(p, x, y, d):
             "disentangle_loss": jnp.mean((c - 0.0) ** 2)}
 
 
-def torch_adam(p, g, s, lr=LR, wd=WD):
-    """torch.optim.Adam on matching trees: g + wd * w enters the moments."""
-    t = s["t"] + 1
-    g = jax.tree.map(lambda gi, w: gi + wd * w, g, p)
-    m = jax.tree.map(lambda mi, gi: 0.9 * mi + 0.1 * gi, s["m"], g)
-    v = jax.tree.map(lambda vi, gi: 0.999 * vi + 0.001 * gi * gi, s["v"], g)
-    new = jax.tree.map(lambda w, mi, vi: w - lr * (mi / (1 - 0.9**t))
-                       / (jnp.sqrt(vi) / jnp.sqrt(1 - 0.999**t) + 1e-8), p, m, v)
-    return new, {"t": t, "m": m, "v": v}
 
 
-def adam_state(p):
-    zeros = jax.tree.map(jnp.zeros_like, p)
-    return {"t": 0, "m": zeros, "v": zeros}
 
 
 def ref_main_gradients(p, x, y, d):
@@ -138,7 +126,7 @@ def ref_step(p, s_main, s_meta, x, y, perm):
     losses, total_grad, dc_grad = jax.jit(ref_main_gradients)(p, x, y, d)
     # GradReverse: the encoder zi receives -dL_dc/dzi instead of +dL_dc/dzi.
     total_grad["zi"] = jax.tree.map(lambda g, g_dc: g - 2 * g_dc, total_grad["zi"], dc_grad["zi"])
-    p, s_main = torch_adam(p, total_grad, s_main)
+    p, s_main = torch_adam(p, total_grad, s_main, LR, WD)
 
     theta = {"zs": p["zs"], "cls": p["cls"]}
     meta_grad = jax.tree.map(jnp.zeros_like, theta)
@@ -149,12 +137,12 @@ def ref_step(p, s_main, s_meta, x, y, perm):
         x_tr, y_tr = jnp.concatenate([xs[i] for i in rest]), jnp.concatenate([ys[i] for i in rest])
         x_te, y_te = xs[perm[j]], ys[perm[j]]
         l_tr, g_tr = inner_value_and_grad(theta, p, x_tr, y_tr)
-        inner, _ = torch_adam(theta, g_tr, adam_state(theta))  # a fresh inner Adam
+        inner, _ = torch_adam(theta, g_tr, adam_init(theta), LR, WD)  # a fresh inner Adam
         l_te, g_te = inner_value_and_grad(inner, p, x_te, y_te)
         meta_grad = jax.tree.map(lambda a, b, c: a + b / M + 1.0 * c / M, meta_grad, g_tr, g_te)
         tr_losses.append(l_tr)
         te_losses.append(l_te)
-    theta, s_meta = torch_adam(theta, meta_grad, s_meta)
+    theta, s_meta = torch_adam(theta, meta_grad, s_meta, LR, WD)
     p = {**p, **theta}
     losses = {k: float(v) for k, v in losses.items()}
     losses.update(loss=sum(losses.values()), meta_train_loss=float(np.mean(tr_losses)),
@@ -183,7 +171,7 @@ def test_three_steps_match_the_authors_update(trained):
         p = ref_params(variables["params"])
         # The copy is the run's network at step 0.
         np.testing.assert_array_equal(p["zs"]["kernel"], p["zi"]["kernel"])
-        s_main, s_meta = adam_state(p), adam_state({"zs": p["zs"], "cls": p["cls"]})
+        s_main, s_meta = adam_init(p), adam_init({"zs": p["zs"], "cls": p["cls"]})
         rng = np.random.default_rng(3)
         for t in range(3):
             b = batch(M * B, seed=t)
@@ -229,30 +217,11 @@ def test_recorded_accuracies_are_the_methods_prediction(tmp_path):
     """A 3-step RotatedDigits run on two training domains (a small meta step):
     ``load_run`` gives the method's model, whose evaluation over the evaluator's
     batches reproduces the record."""
-    from run_fixtures import digits_config
-
-    from sagm_jax import data as data_lib
-    from sagm_jax.training import evaluation, loading, train
+    from run_fixtures import assert_the_evaluation_reproduces_the_record, digits_config
+    from sagm_jax.training import train
 
     config = digits_config(steps=3, algorithm="mdsdi", test_envs=(0, 1, 2, 3))
     train.train_and_evaluate(config, str(tmp_path))
-    model, variables, record = loading.load_run(str(tmp_path), "best")
+    model, variables = assert_the_evaluation_reproduces_the_record(tmp_path, "best")
     assert isinstance(model, networks.MethodModel)
     assert "zs_encoder" in variables["params"]["method"]
-    dataset = data_lib.load("RotatedDigits", None, trial_seed=0, data_seed=0)
-    evaluate = evaluation.make_eval_step(model, jnp.float32, config.seed, config.image_size)
-    apply = jax.jit(lambda v, x: model.apply(v, x, train=False))
-    unpadded = 0
-    for env, part in ((0, "in"), (0, "out"), (1, "out")):
-        correct = counted = 0
-        for b in dataset.eval_iterator(env, part, batch_size=config.eval_batch_size,
-                                       batch_multiple=jax.device_count()):
-            hits, rows, _ = evaluate(variables["params"], variables["batch_stats"], b)
-            correct, counted = correct + int(hits), counted + int(rows)
-            if np.all(b["mask"]):
-                logits = apply(variables, jnp.asarray(b["image"], jnp.float32))
-                ours = np.argmax(np.asarray(logits), -1) == np.asarray(b["label"])
-                assert int(ours.sum()) == int(hits)
-                unpadded += 1
-        assert correct / counted == record[f"env{env}_{part}_acc"], (env, part)
-    assert unpadded

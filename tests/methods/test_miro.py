@@ -21,6 +21,8 @@ from sagm_jax.methods.update_rules import rule_optimizer
 from sagm_jax.models.resnet import INTERMEDIATES
 from sagm_jax.training.train_step import StepMethod, create_train_state, make_train_step
 
+from float64_reference import f64
+
 HEIGHT, WIDTH, CHANNELS, STEM, WIDTH1, CLASSES = 3, 2, 2, 4, 5, 3
 M, B = 2, 3
 LR, WD, LR_MULT, LD = 0.01, 0.05, 10.0, 0.5
@@ -89,8 +91,6 @@ def run_steps(net, hp, algorithm="erm", steps=2, train_batchnorm=False, rule_hp=
 # ---------------------------------------------------------------- float64 re-statement
 
 
-def f64(tree):
-    return jax.tree.map(lambda a: jnp.asarray(np.asarray(a), jnp.float64), tree)
 
 
 def ref_features(p, x):

@@ -19,6 +19,8 @@ from sagm_jax import methods
 from sagm_jax.methods import networks, procedures
 from sagm_jax.training.train_step import StepMethod, create_train_state, make_train_step
 
+from float64_reference import adam_init, f64, ref_ce, torch_adam
+
 HEIGHT, WIDTH, CHANNELS, DIM, CLASSES = 2, 3, 2, 5, 4
 M, B = 2, 3  # domains, rows per domain
 N = M * B
@@ -87,8 +89,6 @@ def adam_count(state):
 # ---------------------------------------------------------------- float64 re-statement
 
 
-def f64(tree):
-    return jax.tree.map(lambda a: jnp.asarray(np.asarray(a), jnp.float64), tree)
 
 
 def ref_features(body, x):
@@ -112,24 +112,10 @@ def ref_randomize(x, alpha, perm, what):
     return z * jnp.sqrt(var + 1e-5) + mean
 
 
-def ref_ce(logits, y):
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
 
 
-def ref_adam(params, grads, state):
-    """torch.optim.Adam(lr, weight_decay) (coupled L2, eps 1e-8) on pytrees."""
-    t = state["t"] + 1
-    g = jax.tree.map(lambda gr, p: gr + WD * p, grads, params)
-    m = jax.tree.map(lambda a, b: 0.9 * a + 0.1 * b, state["m"], g)
-    v = jax.tree.map(lambda a, b: 0.999 * a + 0.001 * b * b, state["v"], g)
-    new = jax.tree.map(lambda p, a, b: p - LR * (a / (1 - 0.9**t))
-                       / (jnp.sqrt(b / (1 - 0.999**t)) + 1e-8), params, m, v)
-    return new, {"t": t, "m": m, "v": v}
 
 
-def adam_init(params):
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    return {"t": 0, "m": zeros, "v": zeros}
 
 
 def zeros(tree):
@@ -147,10 +133,12 @@ def ref_update(net, adams, grads, x, y, t):
     (alpha_c, perm_c), (alpha_s, perm_s), (alpha_a, perm_a) = (draws(t, p) for p in range(3))
 
     def loss_c_fn(f, c):  # forward_c
-        return ref_ce(ref_linear(c, ref_randomize(ref_features(f, x), alpha_c, perm_c, "style")), y)
+        return ref_ce(ref_linear(c, ref_randomize(ref_features(f, x), alpha_c, perm_c, "style")),
+                      y).mean()
 
     def loss_s_fn(f, s):  # forward_s
-        return ref_ce(ref_linear(s, ref_randomize(ref_features(f, x), alpha_s, perm_s, "content")), y)
+        return ref_ce(ref_linear(s, ref_randomize(ref_features(f, x), alpha_s, perm_s,
+                                                  "content")), y).mean()
 
     def loss_adv_fn(f, s):
         logits = ref_linear(s, ref_randomize(ref_features(f, x), alpha_a, perm_a, "content"))
@@ -159,16 +147,16 @@ def ref_update(net, adams, grads, x, y, t):
     grads["f"], grads["c"] = zeros(f), zeros(c)  # optimizer_f/c.zero_grad()
     loss_c, (gf, gc) = jax.value_and_grad(loss_c_fn, (0, 1))(f, c)
     grads["f"], grads["c"] = add(grads["f"], gf), add(grads["c"], gc)
-    f, adams["f"] = ref_adam(f, grads["f"], adams["f"])
-    c, adams["c"] = ref_adam(c, grads["c"], adams["c"])
+    f, adams["f"] = torch_adam(f, grads["f"], adams["f"], LR, WD)
+    c, adams["c"] = torch_adam(c, grads["c"], adams["c"], LR, WD)
     grads["s"] = zeros(s)  # optimizer_s.zero_grad()
     loss_s, (gf, gs) = jax.value_and_grad(loss_s_fn, (0, 1))(f, s)
     grads["f"], grads["s"] = add(grads["f"], gf), add(grads["s"], gs)
-    s, adams["s"] = ref_adam(s, grads["s"], adams["s"])
+    s, adams["s"] = torch_adam(s, grads["s"], adams["s"], LR, WD)
     grads["f"] = zeros(f)  # optimizer_f.zero_grad()
     loss_adv, (gf, gs) = jax.value_and_grad(loss_adv_fn, (0, 1))(f, s)
     grads["f"], grads["s"] = add(grads["f"], gf), add(grads["s"], gs)
-    f, adams["f"] = ref_adam(f, grads["f"], adams["f"])
+    f, adams["f"] = torch_adam(f, grads["f"], adams["f"], LR, WD)
     return (f, c, s), {"loss_c": loss_c, "loss_s": loss_s, "loss_adv": loss_adv}
 
 
