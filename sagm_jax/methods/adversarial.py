@@ -193,7 +193,8 @@ def dann(hp: dict, *, conditional: bool) -> Procedure:
     network; each state (its step count included) moves only on its own steps
     (``lax.cond`` runs one branch). Reports ``disc_loss`` on discriminator steps and
     ``gen_loss`` on generator steps, the other NaN (a jitted step returns the same keys
-    every step), and ``loss`` = the reported one.
+    every step; a record averages each over the steps that computed it), and ``loss`` =
+    the reported one.
     """
     disc_opt = torch_adam(float(hp["lr_d"]), float(hp["weight_decay_d"]),
                           (float(hp["beta1"]), ADAM_BETA2))
@@ -252,7 +253,8 @@ def dann(hp: dict, *, conditional: bool) -> Procedure:
 
 # DomainBed's ``hparams_registry.py`` (``DANN``, ``CDANN``); ``lambda`` is ``dann_lambda``
 # here. lr_g, lr_d and weight_decay_g take DomainBed's ResNet-dataset default and draw;
-# its MNIST ones (lr_g, lr_d 1e-3, 10^U(-4.5,-2.5); weight_decay_g fixed 0) are in the docs.
+# its MNIST ones (lr_g, lr_d 1e-3, 10^U(-4.5,-2.5); weight_decay_g fixed 0) are the MNIST
+# configs' (config.mnist_config) and the search's (sweep/hparams.py).
 ADVERSARIAL_HYPERPARAMETERS = (
     Hyperparameter("dann_lambda", 1.0, "DANN: weight of the adversarial term in the "
                    "generator's loss (DomainBed's lambda)", ">= 0", log_uniform(-2, 2)),

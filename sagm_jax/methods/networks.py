@@ -184,11 +184,14 @@ def decay_mask(network: MethodNetwork | None, hp: dict):
     return mask
 
 
-def own_learning_rate_multiplier(network: MethodNetwork | None, hp: dict) -> float:
-    """The learning-rate multiplier of the method's own parameters (1 for none)."""
+def group_learning_rates(network: MethodNetwork | None, hp: dict):
+    """The optax transformation that steps the method's own parameters at their
+    learning-rate multiplier (:func:`scale_own_updates`), for ``rule_optimizer``'s
+    ``group_learning_rates``; None when they step at the network's rate."""
     if network is None or network.learning_rate_multiplier is None:
-        return 1.0
-    return float(network.learning_rate_multiplier(hp))
+        return None
+    multiplier = float(network.learning_rate_multiplier(hp))
+    return None if multiplier == 1.0 else scale_own_updates(multiplier)
 
 
 def scale_own_updates(multiplier: float):

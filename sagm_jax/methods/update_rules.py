@@ -66,7 +66,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from sagm_jax.methods import networks
 from sagm_jax.methods.registry import (
     Hyperparameter,
     Method,
@@ -445,7 +444,7 @@ def rule_optimizer(
     perturbation: str = "global",
     axis_name: Optional[str] = None,
     decay_mask=None,
-    own_learning_rate_multiplier: float = 1.0,
+    group_learning_rates=None,
 ) -> optax.GradientTransformationExtraArgs:
     """The registered plain or head rule ``algorithm``: its transforms (its entry's
     ``build`` with its hyperparameters read from ``hp`` by key, the registry's defaults
@@ -463,11 +462,12 @@ def rule_optimizer(
     ``add_decayed_weights`` mask) leaves a method's frozen parameters out of the decay
     (``sagm_jax.methods.networks.decay_mask``).
 
-    ``own_learning_rate_multiplier`` k: the method's own parameters (``params["method"]``)
-    step at learning rate ``k * lr`` in the same Adam (MIRO's encoders, ``lr * lr_mult``),
-    their updates scaled by k after Adam. Exact for PyTorch's Adam with coupled decay: a
-    parameter group's ``lr`` enters its step only as the last factor (the moments of
-    ``d + wd * w`` do not read it), so ``step(k * lr) = k * step(lr)``.
+    ``group_learning_rates``: an optax transformation after the learning rate that scales
+    a parameter group's updates by k, so the group steps at ``k * lr`` in the same Adam
+    (MIRO's encoders at ``lr * lr_mult``: ``sagm_jax.methods.networks.scale_own_updates``).
+    Exact for PyTorch's Adam with coupled decay: a parameter group's ``lr`` enters its
+    step only as the last factor (the moments of ``d + wd * w`` do not read it), so
+    ``step(k * lr) = k * step(lr)``.
     """
     rule = update_rule(algorithm)
     if rule.kind == "procedure":
@@ -484,8 +484,7 @@ def rule_optimizer(
         optax.add_decayed_weights(weight_decay, mask=decay_mask),
         optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8),
         optax.scale_by_learning_rate(learning_rate),
-        *([] if own_learning_rate_multiplier == 1.0
-          else [networks.scale_own_updates(own_learning_rate_multiplier)]),
+        *([] if group_learning_rates is None else [group_learning_rates]),
     )
 
 

@@ -156,7 +156,7 @@ def optimizer_from_config(
         adaptive=adam["adaptive"], perturbation=adam["perturbation"],
         axis_name=axis_name if per_device else None,
         decay_mask=networks.decay_mask(network, method_hp),
-        own_learning_rate_multiplier=networks.own_learning_rate_multiplier(network, method_hp),
+        group_learning_rates=networks.group_learning_rates(network, method_hp),
     )
 
 

@@ -236,19 +236,3 @@ def test_discriminator_dropout_draws_from_the_key():
         want = ref_mlp(jax.tree.map(lambda v: np.asarray(v, np.float64), layers),
                        np.asarray(x, np.float64))
     np.testing.assert_allclose(apply(layers, x, 0.0, jax.random.PRNGKey(2)), want, **TOL)
-
-
-@pytest.mark.slow
-def test_dann_trains_rotated_digits(tmp_path):
-    """A 3-step RotatedDigits run through the command line's path: the discriminator
-    sits in the checkpointed params and the records carry the reported loss."""
-    from run_fixtures import digits_config
-
-    from sagm_jax.training import loading, train
-
-    config = digits_config(steps=3, algorithm="dann", test_envs=(0,), mlp_width=16)
-    train.train_and_evaluate(config, str(tmp_path))
-    _, variables, record = loading.load_run(str(tmp_path), "best")
-    assert np.isfinite(record["loss"]) and {"disc_loss", "gen_loss"} <= set(record)
-    assert set(variables["params"]["method"]) == {"discriminator"}
-    assert variables["params"]["method"]["discriminator"]["input"]["kernel"].shape[1] == 16

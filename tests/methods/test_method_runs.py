@@ -158,3 +158,10 @@ def test_a_method_trains_on_an_image_folder_through_the_device_input(tmp_path, m
     assert [r["step"] for r in records] == [0, 1]
     assert all(np.isfinite(r["loss"]) for r in records)
     assert records[0]["config"]["objective"] == method.get("objective", "erm")
+    if method.get("algorithm") == "dann":  # a generator step, then a discriminator step:
+        # each record averages the loss its steps computed (DomainBed's per-key means)
+        assert {"gen_loss"} <= set(records[0]) and "disc_loss" not in records[0]
+        assert {"disc_loss"} <= set(records[1]) and "gen_loss" not in records[1]
+        assert records[0]["loss"] == records[0]["gen_loss"]
+        _, variables, _ = loading.load_run(str(tmp_path / "run"), "latest")
+        assert set(variables["params"]["method"]) == {"discriminator"}

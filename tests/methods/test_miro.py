@@ -5,16 +5,14 @@ written here in JAX x64; the package's code is never the reference. The network 
 tiny two-layer featurizer that sows a ``stem`` and a ``block1`` feature (``TinyNet``);
 whole train steps run through ``make_train_step``. The ResNet's and the MNIST CNN's
 intermediate features are checked against their layers applied directly, the oracle
-stays bit-identical through a sharpness-aware run with trained BatchNorm, and one tiny
-end-to-end run (SAGM + MIRO with SWAD) trains through the command line's path."""
+stays bit-identical through a sharpness-aware run with trained BatchNorm. SAGM + MIRO
+with SWAD trains end to end and resumes exactly in tests/methods/test_method_runs.py."""
 
-import json
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from sagm_jax.methods import miro, networks
 from sagm_jax.methods.update_rules import rule_optimizer
@@ -76,7 +74,7 @@ def build(net, hp):
 def run_steps(net, hp, algorithm="erm", steps=2, train_batchnorm=False, rule_hp=None):
     variables = build(net, hp)
     opt = rule_optimizer(algorithm, rule_hp or {}, learning_rate=LR, weight_decay=WD,
-                         own_learning_rate_multiplier=networks.own_learning_rate_multiplier(
+                         group_learning_rates=networks.group_learning_rates(
                              miro.MIRO_NETWORK, hp))
     step = jax.jit(make_train_step(net, opt, algorithm=algorithm, train_batchnorm=train_batchnorm,
                                    method=StepMethod("miro", hp, M)))
@@ -276,24 +274,3 @@ def test_the_config_trains_the_encoders_at_lr_mult():
     np.testing.assert_allclose(updates["w"], -0.1, rtol=1e-4)  # Adam's first step: -lr
     np.testing.assert_allclose(updates["method"]["variance"]["stem"], 7.0 * updates["w"][:2],
                                rtol=1e-6)
-
-
-@pytest.mark.slow
-def test_sagm_miro_with_swad_trains_end_to_end(tmp_path):
-    """A 3-step RotatedDigits run of SAGM + MIRO with SWAD: it trains, reports MIRO's
-    losses, and load_run's SWAD model is the network's own prediction."""
-    from run_fixtures import digits_config
-    from sagm_jax.training import loading, train
-
-    config = digits_config(steps=3, objective="miro", algorithm="sagm", test_envs=(0,),
-                           swad=True, swad_eval_every=2, swad_n_converge=2,
-                           swad_n_tolerance=3, swad_tolerance_ratio=100.0)
-    train.train_and_evaluate(config, str(tmp_path))
-    lines = (tmp_path / "results.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines]
-    assert records and all(np.isfinite(r["reg_loss"]) and np.isfinite(r["loss"])
-                           for r in records)
-    model, variables, _ = loading.load_run(str(tmp_path), "swad")
-    assert model.__class__.__name__ == "MnistCNN"  # MIRO predicts with the network alone
-    assert "oracle" in variables["batch_stats"]["method"]
-    assert set(variables["params"]["method"]["variance"]) == {f"block{k}" for k in range(1, 5)}

@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 
 from sagm_jax import methods
 from sagm_jax.methods import networks, procedures
@@ -212,23 +211,3 @@ def test_style_classifier_is_torch_linear_init():
         kernel_key, (d, classes), jnp.float32, -bound, bound))
     np.testing.assert_array_equal(head["bias"], jax.random.uniform(
         bias_key, (classes,), jnp.float32, -bound, bound))
-
-
-@pytest.mark.slow
-def test_sagnet_trains_on_rotated_digits(tmp_path):
-    """3 steps through the CLI's path (8 fake devices): the three losses recorded with
-    loss = loss_c; the run's network predicts (no method model) and keeps the style
-    classifier under params["method"]."""
-    from run_fixtures import digits_config
-    from sagm_jax.training import loading, train
-
-    config = digits_config(steps=3, eval_every=2, algorithm="sagnet", test_envs=(0,))
-    records = train.train_and_evaluate(config, str(tmp_path))
-    assert [r["step"] for r in records] == [0, 2]
-    for r in records:
-        assert all(np.isfinite(r[k]) for k in ("loss_c", "loss_s", "loss_adv"))
-        assert r["loss"] == r["loss_c"]
-    model, variables, _ = loading.load_run(str(tmp_path), "latest")
-    assert not isinstance(model, networks.MethodModel)
-    style = variables["params"]["method"]["style_classifier"]
-    assert style["kernel"].shape == variables["params"]["classifier"]["kernel"].shape

@@ -13,7 +13,6 @@ scipy.
 """
 
 import json
-import os
 import shlex
 
 import numpy as np
