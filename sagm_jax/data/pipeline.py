@@ -145,8 +145,11 @@ def to_global_batch(batch: dict, mesh, axis: str = "batch") -> dict:
     }
 
 
-def prefetch_to_mesh(batches: Iterator[dict], mesh, depth: int = 2) -> Iterator[dict]:
-    """``to_global_batch`` of each host batch, ``depth`` batches ahead, from a
+def prefetch_to_mesh(
+    batches: Iterator[dict], mesh, depth: int = 2, axis: str = "batch"
+) -> Iterator[dict]:
+    """``to_global_batch`` of each host batch (dim 0 sharded along ``axis``: a pack's
+    stacked batches along its ``runs``), ``depth`` batches ahead, from a
     background thread (gathering rows and the host-to-device copy overlap the step).
     An exception in the thread is raised here, at the batch where it happened.
     Closing the generator (``.close()``, or its end) stops and joins the thread, so
@@ -158,7 +161,7 @@ def prefetch_to_mesh(batches: Iterator[dict], mesh, depth: int = 2) -> Iterator[
     def produce():
         try:
             for batch in batches:
-                item = to_global_batch(batch, mesh)
+                item = to_global_batch(batch, mesh, axis)
                 while not stop.is_set():
                     try:
                         slots.put(item, timeout=0.1)

@@ -70,8 +70,16 @@ def batch_size(config, num_devices: int, platform: str) -> int:
 
 def make_eval_step(model, compute_dtype, seed: int = 0, image_size: int = 224):
     """Jitted ``eval_step(params, batch_stats, batch) -> (correct, counted, loss_sum)``."""
+    step = seeded_eval_step(model, compute_dtype, image_size)
+    return lambda params, batch_stats, batch: step(params, batch_stats, batch, seed)
 
-    def eval_step(params, batch_stats, batch):
+
+def seeded_eval_step(model, compute_dtype, image_size: int = 224):
+    """Jitted ``eval_step(params, batch_stats, batch, seed) -> (correct, counted,
+    loss_sum)``; ``seed`` (traced) draws the augmentation of augmented validation
+    batches, so the runs of a pack share one compiled evaluation."""
+
+    def eval_step(params, batch_stats, batch, seed):
         batch = device_augment.model_inputs(
             batch, seed, 0, image_size, stream=device_augment.EVAL_STREAM
         )
@@ -128,7 +136,7 @@ class Evaluator:
     ``dataset.Source``), so the results are too. ``kept_bytes`` says how much is where.
     """
 
-    def __init__(self, model, dataset, mesh, config, train_envs):
+    def __init__(self, model, dataset, mesh, config, train_envs, step=None):
         empty = [
             f"env{env} ({dataset.env_names[env]}) '{part}'"
             for env in range(len(dataset.env_names))
@@ -145,9 +153,10 @@ class Evaluator:
         self.train_envs = list(train_envs)
         self.parts = evaluated_parts(dataset.splits, self.train_envs, config.eval_splits)
         self.batch_size = batch_size(config, mesh.devices.size, mesh.devices.flat[0].platform)
-        self.step = make_eval_step(
-            model, jnp.dtype(config.compute_dtype), config.seed, config.image_size
-        )
+        # ``step``: a ``seeded_eval_step`` shared with other evaluators (a pack's runs).
+        step = step or seeded_eval_step(model, jnp.dtype(config.compute_dtype), config.image_size)
+        self.shared_step = step
+        self.step = lambda params, batch_stats, batch: step(params, batch_stats, batch, config.seed)
         self._kept: dict[tuple[int, str], list | None] = {}  # None: read again each time
         self._room: dict[str, int] | None = None  # bytes left per place, from the first call
         self.kept_bytes = {DEVICE: 0, HOST: 0}

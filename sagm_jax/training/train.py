@@ -92,8 +92,8 @@ class Program:
     train_envs: list[int]
     mesh: jax.sharding.Mesh
     model: Any
-    state: Any  # the initial TrainState, replicated on the mesh
-    train_step: Any
+    state: Any  # the initial TrainState, replicated on the mesh (None in a pack)
+    train_step: Any  # None in a pack, whose step is the pack's
     evaluator: Evaluator
     run_info: dict
 
@@ -163,22 +163,41 @@ def optimizer_from_config(
 def setup(config: ml_collections.ConfigDict) -> Program:
     """Opens the data, builds the model, optimizer, steps and evaluator: every check
     that can fail runs here, before the run directory is written."""
-    dataset = data_lib.from_config(config)
-    test_envs, train_envs = _environments(config, dataset)
-    mesh = _mesh(config, train_envs)
-    init_key = jax.random.split(jax.random.key(config.seed))[0]
-    model, variables, weights = networks.from_config(
-        config, dataset.num_classes, dataset.input_shape, len(train_envs), init_key
+    program, variables = open_run(config)
+    optimizer = optimizer_from_config(
+        config, axis_name="batch", num_domains=len(program.train_envs)
     )
-    optimizer = optimizer_from_config(config, axis_name="batch", num_domains=len(train_envs))
+    initial = initial_state(config, variables, optimizer, len(program.train_envs))
+    program.state = jax.device_put(initial, NamedSharding(program.mesh, P()))
+    program.train_step = data_parallel_train_step(
+        config, program.model, optimizer, program.mesh, len(program.train_envs)
+    )
+    return program
+
+
+def initial_state(config, variables, optimizer, num_domains: int):
+    """The train state at step 0: ``variables``, the optimizer's state, the objective's
+    and SWAD's averages (with ``config.swad``)."""
     averages = None
     if config.swad:
         window = swad.segment_window(config.swad_n_tolerance, config.swad_n_converge)
         averages = averaging.init_averages(variables["params"], window)
-    initial = create_train_state(
-        variables, optimizer, objectives.init_state(config.objective, len(train_envs)), averages
+    return create_train_state(
+        variables, optimizer, objectives.init_state(config.objective, num_domains), averages
     )
-    state = jax.device_put(initial, NamedSharding(mesh, P()))
+
+
+def open_run(config, mesh=None, eval_step=None) -> tuple[Program, dict]:
+    """The run's data, environments, mesh (``mesh`` or the config's), network and
+    evaluator (sharing ``eval_step``, a ``seeded_eval_step``, where given): a
+    :class:`Program` without state or step, and the network's initial variables."""
+    dataset = data_lib.from_config(config)
+    test_envs, train_envs = _environments(config, dataset)
+    mesh = mesh or _mesh(config, train_envs)
+    init_key = jax.random.split(jax.random.key(config.seed))[0]
+    model, variables, weights = networks.from_config(
+        config, dataset.num_classes, dataset.input_shape, len(train_envs), init_key
+    )
     run_info = {
         "weights": weights,
         "dataset": config.dataset,
@@ -194,17 +213,18 @@ def setup(config: ml_collections.ConfigDict) -> Program:
         "jax": jax.__version__,
         "python": platform.python_version(),
     }
-    return Program(
+    program = Program(
         dataset=dataset,
         test_envs=test_envs,
         train_envs=train_envs,
         mesh=mesh,
         model=model,
-        state=state,
-        train_step=data_parallel_train_step(config, model, optimizer, mesh, len(train_envs)),
-        evaluator=Evaluator(model, dataset, mesh, config, train_envs),
+        state=None,
+        train_step=None,
+        evaluator=Evaluator(model, dataset, mesh, config, train_envs, eval_step),
         run_info=run_info,
     )
+    return program, variables
 
 
 def train_one_run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]:
@@ -219,13 +239,7 @@ def train_one_run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]
     if rundir.done:
         return _finished(rundir, config)
     program = setup(config)
-    checkpoints = Checkpoints(workdir, enabled=config.checkpoint)
-    resuming = checkpoints.latest_step() is not None
-    if resuming:  # before anything is rewritten: its records come from the recorded data
-        check_split_record(workdir, program.dataset)
-    rundir.start(config_dict, program.run_info, program.dataset, write_split=not resuming)
-    if rundir.is_main and program.dataset.skipped:
-        print(f"Skipped {len(program.dataset.skipped)} unreadable files (listed in split.json).")
+    checkpoints = start_run_directory(config, rundir, program)
     state = checkpoints.restore_latest(program.state)
     if state is None:
         state = program.state
@@ -242,6 +256,19 @@ def train_one_run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]
     if rundir.is_main:
         print_summary(records, program.test_envs, program.dataset.env_names, swad_record)
     return records
+
+
+def start_run_directory(config, rundir: RunDir, program: Program) -> Checkpoints:
+    """Writes the run directory of a run about to train (``split.json`` only at step 0;
+    a resumed run's data is first checked against it); returns its checkpoints."""
+    checkpoints = Checkpoints(rundir.workdir, enabled=config.checkpoint)
+    resuming = checkpoints.latest_step() is not None
+    if resuming:  # before anything is rewritten: its records come from the recorded data
+        check_split_record(rundir.workdir, program.dataset)
+    rundir.start(config.to_dict(), program.run_info, program.dataset, write_split=not resuming)
+    if rundir.is_main and program.dataset.skipped:
+        print(f"Skipped {len(program.dataset.skipped)} unreadable files (listed in split.json).")
+    return checkpoints
 
 
 def _finished(rundir: RunDir, config) -> list[dict]:
@@ -275,7 +302,7 @@ def _training_loop(
         program.mesh,
     )
     interval = evaluation_interval(config)
-    sums = None  # of the step's metrics since the last record, on the device (_accumulate)
+    sums = None  # of the step's metrics since the last record, on the device (accumulate)
     progress = tqdm(
         total=config.steps,
         initial=start,
@@ -288,7 +315,7 @@ def _training_loop(
             if swad_run is not None and swad_run.stopped:
                 break
             state, metrics = program.train_step(state, next(batches), step_key)
-            sums = _accumulate(sums, metrics)
+            sums = accumulate(sums, metrics)
             progress.update(1)
             if t % config.log_every == 0:
                 loss = _finite_loss(float(metrics["loss"]), t, checkpoints, rundir)
@@ -311,19 +338,18 @@ def _training_loop(
     return records, state
 
 
-def _accumulate(sums, metrics):
+def accumulate(sums, metrics, counted=True):
     """Each metric's sum since the last record and the number of steps that reported
     it: a procedure that alternates reports NaN for the loss its step did not compute
     (DANN's ``disc_loss`` and ``gen_loss``), and a record holds the mean over the steps
     that computed it, as DomainBed's means over the steps that returned the key (a key
     no step computed is left out). ``loss`` counts every step, so a NaN loss stays
-    NaN and stops the run."""
+    NaN and stops the run. ``counted`` (a pack's runs that stepped) masks the others."""
 
     def reported(key, value):
-        if key == "loss":
-            return value, jnp.ones([], jnp.int32)
-        missing = jnp.isnan(value)
-        return jnp.where(missing, 0.0, value), (~missing).astype(jnp.int32)
+        n = jnp.ones(jnp.shape(value), jnp.int32) if key == "loss" else (~jnp.isnan(value))
+        n = n.astype(jnp.int32) * jnp.asarray(counted, jnp.int32)
+        return jnp.where(n > 0, value, 0.0), n
 
     step = {key: reported(key, value) for key, value in metrics.items()}
     return step if sums is None else jax.tree.map(jnp.add, sums, step)

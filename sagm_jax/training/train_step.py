@@ -336,6 +336,17 @@ def data_parallel_train_step(config, model: nn.Module, optimizer, mesh, num_doma
     ``axis_name='batch'`` for 'per_device'. With ``config.swad`` the step also takes the
     new weights into SWAD's segment mean (``sagm_jax.swad.averages``)."""
     per_device = config.perturbation == "per_device"
+    train_step = run_train_step(config, model, optimizer, num_domains, mesh if per_device else None)
+    return jax.jit(train_step, donate_argnums=0)
+
+
+def run_train_step(config, model: nn.Module, optimizer, num_domains: int, mesh=None):
+    """The unjitted step of one run: device augmentation, the config's step (under
+    ``shard_map`` on ``mesh`` for ``perturbation='per_device'``; ``mesh`` None for the
+    global mode) and SWAD's accumulation. ``data_parallel_train_step`` jits it; a pack
+    (``sagm_jax.training.packed``) vmaps it over its runs, with ``config`` holding each
+    run's traced values."""
+    per_device = mesh is not None
     step_fn = make_train_step(
         model,
         optimizer,
@@ -370,4 +381,4 @@ def data_parallel_train_step(config, model: nn.Module, optimizer, mesh, num_doma
             state = state.replace(averages=averaging.accumulate(state.averages, state.params))
         return state, metrics
 
-    return jax.jit(train_step, donate_argnums=0)
+    return train_step

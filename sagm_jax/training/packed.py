@@ -1,0 +1,390 @@
+"""Packed runs: the runs of a sweep that share a program, trained together as one program.
+
+Runs share a program when their configs differ only in per-run values
+(:func:`program_problems`): the seeds and split (``seed``, ``trial_seed``,
+``hparams_seed``), the held-out environments (``test_envs``; their number is the
+program's) and every numeric hyperparameter of the "method" and "optimizer" sections
+(lr, weight decay, rho, alpha, each method's own) except the few that shape the program
+(:data:`PROGRAM_HYPERPARAMETERS`). A pack of R such runs keeps their train states stacked
+along a leading run axis and takes one step for all of them::
+
+    states[r] <- step_r(states[r], batches[r], keys[r])   if active[r]   else states[r]
+
+``step_r`` is the run's own step, ``train_step.run_train_step`` (the one definition of a
+step), ``jax.vmap``-ped over the runs with each run's config holding its own values of the
+keys that vary in the pack as traced scalars (:class:`RunConfig`); the optimizer is built
+inside the vmapped function from those values. Each run draws its batches from its own
+split with its own seed, and its PRNG keys from its own seed, exactly as alone.
+
+Everything else is per run, on the host, as ``sagm_jax.training.train`` does it for one
+run: the run directory (``config.json``, ``split.json``, ``results.jsonl``, ``done``), its
+orbax checkpoints (latest and best, of the run's own unstacked state, so ``load_run``,
+``collect_results`` and a relaunch of the run alone read them as any run's), its
+evaluations (one compiled evaluation step shared by the pack), SWAD's loss valley and
+``swad.jsonl``. A run that stops (the end of its SWAD valley) or is done stays in the pack
+inactive: its lane is computed and discarded, so the other runs' lanes see the same
+program whatever happens to it.
+
+Resume: each run restores its own latest checkpoint. A pack killed between two runs'
+saves resumes with its runs at different steps; the pack then steps from the earliest,
+each run active from its own step on, so every run repeats exactly what it lost, in the
+same program (same R, same lanes) as the uninterrupted pack: bit for bit.
+
+Several devices: the run axis is sharded over a ``runs`` mesh axis when R divides among
+the devices (each device steps whole runs; nothing crosses devices), else the pack runs on
+one device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from tqdm import tqdm
+
+from sagm_jax.config import fields, validate
+from sagm_jax.data.pipeline import prefetch_to_mesh
+from sagm_jax.results.selection import validation_accuracy
+from sagm_jax.swad.run import SwadRun
+from sagm_jax.training import train
+from sagm_jax.training.rundir import RunDir, evaluation_interval, is_evaluation_step
+from sagm_jax.training.summary import print_summary
+from sagm_jax.training.train_step import run_train_step
+
+# Per-run keys read on the host (data, split, initialisation), never by the step but
+# ``seed`` (the device augmentation's keys).
+RUN_KEYS = ("seed", "trial_seed", "hparams_seed", "test_envs")
+# Numeric hyperparameters that shape the program (array shapes, Python branches):
+# DISAM's weight (0 is no DISAM), the discriminator's width and depth, MLDG's split.
+PROGRAM_HYPERPARAMETERS = ("disam_lambda", "mlp_width", "mlp_depth", "mldg_n_meta_test")
+RUNS = "runs"  # the mesh axis of the run axis
+
+
+def traced_keys() -> tuple[str, ...]:
+    """The hyperparameters that may differ within a pack: the numeric (not boolean) keys
+    of the "method" and "optimizer" sections, less :data:`PROGRAM_HYPERPARAMETERS`."""
+    defaults = ml_collections.ConfigDict({f.key: f.default for s in fields().values() for f in s})
+    return tuple(
+        field.key
+        for name in ("method", "optimizer")
+        for field in fields()[name]
+        if type(defaults[field.key]) in (int, float) and field.key not in PROGRAM_HYPERPARAMETERS
+    )
+
+
+def program_key(config_dict: dict) -> str:
+    """What a pack's runs share: the config less :data:`RUN_KEYS` and :func:`traced_keys`,
+    with the number of held-out environments."""
+    per_run = set(RUN_KEYS) | set(traced_keys())
+    shared = {k: v for k, v in config_dict.items() if k not in per_run}
+    shared["number of test_envs"] = len(config_dict.get("test_envs", ()))
+    return json.dumps(shared, sort_keys=True, default=str)
+
+
+def program_problems(config_dicts: list[dict]) -> list[str]:
+    """Why these configs cannot be one pack: a key other than the per-run ones that
+    differs (one line per key, with its values), or a run that cannot be packed."""
+    problems = []
+    per_run = set(RUN_KEYS) | set(traced_keys())
+    for key in sorted(set().union(*config_dicts)):
+        values = {json.dumps(c.get(key), default=str) for c in config_dicts}
+        if key not in per_run and len(values) > 1:
+            problems.append(
+                f"config.{key} differs between the runs ({', '.join(sorted(values))}); a pack's "
+                f"runs may differ only in {', '.join(RUN_KEYS)} and the numeric hyperparameters"
+            )
+    if len({len(c.get("test_envs", ())) for c in config_dicts}) > 1:
+        problems.append("the runs hold out different numbers of test environments")
+    for config in config_dicts[:1]:
+        if config.get("perturbation") == "per_device":
+            problems.append("perturbation=per_device (m-sharpness over devices) is not packed")
+        if config.get("all_test_envs"):
+            problems.append("all_test_envs=True: a pack's runs are single runs")
+    return problems
+
+
+class RunConfig:
+    """One run's config inside the pack's step: the pack's shared config, with the run's
+    own (traced) values of the keys that vary in the pack."""
+
+    def __init__(self, config, values: dict):
+        self._config, self._values = config, values
+
+    def __getattr__(self, key):
+        values = self.__dict__["_values"]
+        return values[key] if key in values else getattr(self.__dict__["_config"], key)
+
+    def __getitem__(self, key):
+        return self.__getattr__(key)
+
+    def get(self, key, default=None):
+        return self._values[key] if key in self._values else self._config.get(key, default)
+
+
+def varying_values(configs) -> dict[str, np.ndarray]:
+    """``{key: [value of each run]}`` of the step's keys that differ in the pack: the seed
+    and the hyperparameters of :func:`traced_keys` (float32, or int32 for integer keys)."""
+    values = {}
+    for key in ("seed", *traced_keys()):
+        column = [c[key] for c in configs]
+        if len(set(column)) > 1:
+            values[key] = np.asarray(column, np.int32 if isinstance(column[0], int) else np.float32)
+    return values
+
+
+def packed_train_step(config, model, num_domains: int):
+    """The pack's jitted ``step(values, states, batches, keys, active) -> (states,
+    metrics)``: every run's step under ``jax.vmap`` (the module docstring); the states of
+    the runs that are not ``active`` are kept as they were."""
+    from sagm_jax.training.train import optimizer_from_config
+
+    def one_run(values, state, batch, key):
+        run = RunConfig(config, values)
+        optimizer = optimizer_from_config(run, num_domains=num_domains)
+        return run_train_step(run, model, optimizer, num_domains)(state, batch, key)
+
+    def step(values, states, batches, keys, active):
+        stepped, metrics = jax.vmap(one_run)(values, states, batches, keys)
+
+        def keep(new, old):
+            return jnp.where(active.reshape(-1, *[1] * (new.ndim - 1)), new, old)
+
+        return jax.tree.map(keep, stepped, states), metrics
+
+    return jax.jit(step, donate_argnums=1)
+
+
+def packed_initial_states(config, values, variables: list, num_domains: int):
+    """The runs' step-0 train states, stacked: each run's variables with the optimizer
+    and objective states built from its own values, as :func:`packed_train_step`'s."""
+    from sagm_jax.training.train import initial_state, optimizer_from_config
+
+    def init(values, variables):
+        run = RunConfig(config, values)
+        optimizer = optimizer_from_config(run, num_domains=num_domains)
+        return initial_state(run, variables, optimizer, num_domains)
+
+    stacked = jax.tree.map(lambda *x: jnp.stack(x), *variables)
+    return jax.jit(jax.vmap(init))(values, stacked)
+
+
+@dataclasses.dataclass
+class Member:
+    """One run of a pack: its config, directory, program and progress."""
+
+    config: Any
+    rundir: RunDir
+    program: Any = None  # train.Program (None for a run found done)
+    checkpoints: Any = None
+    swad: Any = None
+    records: list = dataclasses.field(default_factory=list)
+    start: int = 0  # the step it resumes at
+    failed: str | None = None  # why it stopped (non-finite loss)
+    final: Any = None  # its train state when the pack's loop ended
+
+    @property
+    def live(self) -> bool:
+        return self.program is not None and self.failed is None
+
+
+def pack_mesh(runs: int, num_devices: int = 0) -> jax.sharding.Mesh:
+    """The ``runs`` mesh: the first ``num_devices`` devices (0: all) when ``runs``
+    divides among them, else one."""
+    devices = jax.devices()[: num_devices or None]
+    if runs % len(devices):
+        devices = devices[:1]
+    return jax.sharding.Mesh(np.array(devices), (RUNS,))
+
+
+def train_pack(configs: list, workdirs: list[str]) -> list[list[dict]]:
+    """Trains the runs ``configs`` (one run each, in ``workdirs``) as one pack; returns
+    each run's records. Raises ``ValueError`` naming what differs when they cannot share
+    a program, and ``RuntimeError`` at the end when a run stopped on a non-finite loss
+    (the others finish)."""
+    start_time = time.monotonic()
+    problems = program_problems([c.to_dict() for c in configs])
+    if problems:
+        raise ValueError("These runs cannot be one pack: " + "; ".join(problems) + ".")
+    if jax.process_count() > 1:
+        raise ValueError("A pack runs in one process; train multi-host runs unpacked.")
+    mesh = pack_mesh(len(configs), configs[0].num_devices)
+    eval_mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("batch",))
+    base = configs[0]
+    eval_step = None  # the first run's, shared by the others (one compiled evaluation)
+    members, variables = [], []
+    for config, workdir in zip(configs, workdirs):
+        validate(config, device_count=jax.device_count())
+        rundir = RunDir(workdir, is_main=True)
+        rundir.check_config(config.to_dict())
+        member = Member(config, rundir)
+        members.append(member)
+        if rundir.done:
+            member.records = train._finished(rundir, config)
+            variables.append(None)
+            continue
+        program, run_variables = train.open_run(config, eval_mesh, eval_step)
+        eval_step = eval_step or program.evaluator.shared_step
+        member.program, member.checkpoints = program, train.start_run_directory(
+            config, rundir, program
+        )
+        variables.append(run_variables)
+    live = [m for m in members if m.live]
+    if not live:
+        return [m.records for m in members]
+    template = next(v for v in variables if v is not None)
+    variables = [template if v is None else v for v in variables]
+    values = varying_values(configs)
+    model, num_domains = live[0].program.model, len(live[0].program.train_envs)
+    states = packed_initial_states(base, values, variables, num_domains)
+    states = _restore(members, states)
+    runs = NamedSharding(mesh, P(RUNS))
+    states, values = jax.device_put((states, values), runs)
+    keys = jax.device_put(
+        jnp.stack([jax.random.split(jax.random.key(c.seed))[1] for c in configs]), runs
+    )
+    step = packed_train_step(base, model, num_domains)
+    _loop(base, members, step, states, values, keys, mesh)
+    for member in live:
+        if member.failed is None:
+            _finish(member, time.monotonic() - start_time, len(live))
+    failed = [m for m in members if m.failed]
+    if failed:
+        raise RuntimeError(
+            "\n".join(f"{m.rundir.workdir}: {m.failed}" for m in failed)
+            + f"\n{len(failed)} of the pack's {len(members)} runs stopped; the others finished."
+        )
+    return [m.records for m in members]
+
+
+def _restore(members: list[Member], states):
+    """Each live run's latest checkpoint (its own, unstacked) in its lane; sets the
+    runs' start steps, records before them and SWAD valleys."""
+    lanes = []
+    for r, member in enumerate(members):
+        lane = jax.tree.map(lambda x, r=r: x[r], states)
+        if member.live:
+            restored = member.checkpoints.restore_latest(lane)
+            if restored is not None:
+                lane = restored
+                print(f"{member.rundir.workdir}: resumed at step {int(lane.step)}.")
+            member.start = int(lane.step)
+            member.records = member.rundir.records_before(member.start)
+            if member.config.swad:
+                member.swad = SwadRun(member.config, member.program.train_envs, member.records)
+        lanes.append(jax.device_get(lane))
+    return jax.tree.map(lambda *x: np.stack(x), *lanes)
+
+
+def _batches(members: list[Member], first: int):
+    """The pack's host batches from step ``first``: each run's own batch, stacked; a run
+    not yet at its start step (or done) contributes zeros of the same shape."""
+    iterators = {
+        r: m.program.dataset.train_iterator(
+            m.program.train_envs, seed=m.config.seed,
+            batch_per_env=m.config.batch_per_env, start_step=m.start,
+        )
+        for r, m in enumerate(members) if m.live
+    }
+    pending = {r: next(it) for r, it in iterators.items()}
+    zeros = jax.tree.map(np.zeros_like, next(iter(pending.values())))
+    for t in itertools.count(first):
+        batch = []
+        for r, member in enumerate(members):
+            if r in iterators and t >= member.start:
+                batch.append(pending.pop(r) if r in pending else next(iterators[r]))
+            else:
+                batch.append(zeros)
+        yield {k: np.stack([b[k] for b in batch]) for k in zeros}
+
+
+def _active(members: list[Member], t: int) -> np.ndarray:
+    return np.array([
+        m.live and t >= m.start and not (m.swad is not None and m.swad.stopped) for m in members
+    ])
+
+
+def _loop(config, members: list[Member], step, states, values, keys, mesh):
+    """Steps the pack from its earliest run's step to ``config.steps``; each run logs,
+    evaluates, records and saves at its own evaluation steps (``train._training_loop``'s
+    order: record, then checkpoint)."""
+    first = min(m.start for m in members if m.live)
+    batches = prefetch_to_mesh(_batches(members, first), mesh, axis=RUNS)
+    interval, sums = evaluation_interval(config), None
+    runs = NamedSharding(mesh, P(RUNS))
+    progress = tqdm(total=config.steps, initial=first, unit="step", dynamic_ncols=True)
+    try:
+        for t in range(first, config.steps):
+            active = _active(members, t)
+            if not active.any():
+                break
+            active_device = jax.device_put(active, runs)
+            states, metrics = step(values, states, next(batches), keys, active_device)
+            sums = train.accumulate(sums, metrics, active_device)
+            progress.update(1)
+            if t % config.log_every == 0:
+                _check_losses(members, np.asarray(metrics["loss"]), active, t)
+            if is_evaluation_step(t, config.steps, interval):
+                for r in np.flatnonzero(_active(members, t) & active):
+                    states, sums = _evaluate(members[r], r, states, sums, t)
+    finally:
+        batches.close()
+        progress.close()
+        for member in members:
+            if member.checkpoints is not None:
+                member.checkpoints.wait()
+    for r, member in enumerate(members):
+        member.final = jax.tree.map(lambda x, r=r: x[r], states) if member.live else None
+
+
+def _check_losses(members, losses, active, t):
+    for r in np.flatnonzero(active):
+        if not np.isfinite(losses[r]):
+            members[r].failed = (
+                f"Non-finite training loss ({losses[r]}) at step {t}; this run stopped "
+                "(its last good checkpoint is kept). Lower config.lr, or check the data."
+            )
+
+
+def _evaluate(member: Member, r: int, states, sums, t: int):
+    """Run ``r``'s evaluation after step ``t``: its record (``train._evaluate``), SWAD's
+    segment, its checkpoint; returns the states and sums with its lane updated."""
+    program = member.program
+    lane = jax.device_put(
+        jax.tree.map(lambda x: x[r], states), NamedSharding(program.mesh, P())
+    )
+    means = {k: float(total[r]) / int(n[r]) for k, (total, n) in sums.items() if int(n[r])}
+    try:
+        record = train._evaluate(
+            member.config, program, member.rundir, member.checkpoints, lane, t, means
+        )
+    except FloatingPointError as error:
+        member.failed = str(error)
+        return states, sums
+    member.records.append(record)
+    if member.swad is not None:
+        lane = member.swad.after_evaluation(lane, record)
+        states = jax.tree.map(lambda s, x: s.at[r].set(x), states, lane)
+    member.checkpoints.save(t, lane, validation_accuracy(record, program.train_envs))
+    sums = jax.tree.map(lambda s: s.at[r].set(0), sums)
+    return states, sums
+
+
+def _finish(member: Member, wall_time: float, runs: int):
+    """SWAD's final model, ``done`` (with the run's share of the pack's wall time) and
+    the run's summary."""
+    program = member.program
+    state = jax.device_put(member.final, NamedSharding(program.mesh, P()))
+    swad_record = None
+    if member.swad is not None:
+        swad_record = member.swad.finish(state, program, member.rundir, member.records[-1])
+    member.rundir.mark_done(wall_time_s=wall_time / runs)
+    print_summary(member.records, program.test_envs, program.dataset.env_names, swad_record)

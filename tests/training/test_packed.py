@@ -1,0 +1,207 @@
+"""Packed runs (sagm_jax.training.packed) against the same runs trained alone."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from sagm_jax.training import checkpoints as checkpoints_lib
+from sagm_jax.training import packed, train
+from sagm_jax.training.rundir import read_records
+from sagm_jax.training.train_step import data_parallel_train_step
+
+from run_fixtures import digits_config
+
+ONE_DEVICE = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("batch",))
+
+
+def _configs(runs, **shared):
+    """Run r of ``runs``: its own (test environment, trial seed, seed, lr, ...)."""
+    configs = []
+    for overrides in runs:
+        config = digits_config(**shared)
+        config.update(overrides)
+        configs.append(config)
+    return configs
+
+
+def _separate_steps(config, steps):
+    """``steps`` updates of the run alone, as ``train.setup`` builds it (one device)."""
+    program, variables = train.open_run(config, ONE_DEVICE)
+    variables = jax.device_get(variables)  # a host copy: the step donates the state's arrays
+    n = len(program.train_envs)
+    optimizer = train.optimizer_from_config(config, num_domains=n)
+    state = jax.device_put(
+        train.initial_state(config, variables, optimizer, n), NamedSharding(ONE_DEVICE, P())
+    )
+    step = data_parallel_train_step(config, program.model, optimizer, ONE_DEVICE, n)
+    key = jax.random.split(jax.random.key(config.seed))[1]
+    batches = program.dataset.train_iterator(
+        program.train_envs, seed=config.seed, batch_per_env=config.batch_per_env
+    )
+    for _ in range(steps):
+        state, _ = step(state, next(batches), key)
+    return program, variables, jax.device_get(state)
+
+
+def _packed_steps(configs, programs, variables, steps):
+    values = packed.varying_values(configs)
+    n = len(programs[0].train_envs)
+    states = packed.packed_initial_states(configs[0], values, variables, n)
+    step = packed.packed_train_step(configs[0], programs[0].model, n)
+    keys = jnp.stack([jax.random.split(jax.random.key(c.seed))[1] for c in configs])
+    iterators = [
+        p.dataset.train_iterator(p.train_envs, seed=c.seed, batch_per_env=c.batch_per_env)
+        for c, p in zip(configs, programs)
+    ]
+    active = jnp.ones(len(configs), bool)
+    for _ in range(steps):
+        batches = [next(it) for it in iterators]
+        stacked = {k: np.stack([b[k] for b in batches]) for k in batches[0]}
+        states, _ = step(values, states, stacked, keys, active)
+    return jax.device_get(states)
+
+
+# Per method kind: the runs' own values, and the largest difference measured between a
+# packed step and the run's own (relative to the parameter's largest change).
+KINDS = {
+    "erm": (dict(algorithm="erm"), [dict(lr=1e-3), dict(lr=3e-3, seed=1, test_envs=(2,))]),
+    "sagm": (
+        dict(algorithm="sagm"),
+        [dict(lr=1e-3, rho=0.05, alpha=1e-3), dict(lr=2e-3, rho=0.1, alpha=5e-4, trial_seed=1)],
+    ),
+    "groupdro": (
+        dict(objective="groupdro", algorithm="sam"),
+        [dict(groupdro_eta=1e-2), dict(groupdro_eta=1e-1, seed=2, test_envs=(3,))],
+    ),
+    "dann": (
+        dict(algorithm="dann"),
+        [dict(lr_d=1e-3, d_steps_per_g_step=1), dict(lr_d=3e-3, d_steps_per_g_step=2, seed=1)],
+    ),
+    "mixup-swad": (
+        dict(objective="mixup", algorithm="gsam", swad=True),
+        [dict(mixup_alpha=0.2), dict(mixup_alpha=0.3, weight_decay=1e-4, seed=1)],
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_packed_step_is_each_runs_own_step(kind):
+    """Three updates of a pack of two runs that differ in seed, split or test environment
+    and in their hyperparameters, against each run's own jitted step: every leaf of the
+    train state (parameters, optimizer, objective and SWAD state) agrees to float32
+    rounding (measured: at most 2e-6 of the leaf's scale)."""
+    shared, runs = KINDS[kind]
+    configs = _configs(runs, **shared)
+    separate = [_separate_steps(c, 3) for c in configs]
+    programs, variables = [s[0] for s in separate], [s[1] for s in separate]
+    states = _packed_steps(configs, programs, variables, 3)
+    for r, (_, _, alone) in enumerate(separate):
+        lane = jax.tree.map(lambda x, r=r: x[r], states)
+        for path, got, want in zip(
+            jax.tree_util.tree_leaves_with_path(lane),
+            jax.tree.leaves(lane),
+            jax.tree.leaves(alone),
+            strict=True,
+        ):
+            got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+            scale = max(np.abs(want).max(), 1e-30)
+            assert np.abs(got - want).max() <= 1e-5 * scale, (kind, r, path[0])
+
+
+def _records(workdir):
+    return [{k: v for k, v in r.items() if k.endswith(("_acc", "_loss")) or k in ("step", "loss")}
+            for r in read_records(workdir)]
+
+
+def _params(workdir, step):
+    return jax.tree.leaves(checkpoints_lib.restore_variables(str(workdir), step))
+
+
+def test_a_pack_of_one_is_the_run_trained_alone(tmp_path):
+    """R = 1: the same records, accuracies and losses, bit for bit, and the same final
+    parameters in the checkpoint."""
+    (config,) = _configs([dict(algorithm="sagm")])
+    train.train_one_run(config, str(tmp_path / "alone"))
+    packed.train_pack([config], [str(tmp_path / "packed")])
+    assert _records(tmp_path / "packed") == _records(tmp_path / "alone")
+    assert os.path.exists(tmp_path / "packed" / "done")
+
+
+def test_packed_runs_record_what_the_runs_alone_record(tmp_path):
+    """Three runs (two test environments, two trial seeds, two learning rates) packed
+    against each alone: the same steps and accuracies (float32 rounding moves no
+    prediction here) and losses within 1e-5."""
+    configs = _configs(
+        [dict(lr=1e-3), dict(lr=3e-3, test_envs=(1,), seed=1), dict(trial_seed=1, seed=2)],
+        algorithm="sagm", steps=5,
+    )
+    dirs = [str(tmp_path / f"pack{r}") for r in range(3)]
+    packed.train_pack(configs, dirs)
+    for r, config in enumerate(configs):
+        train.train_one_run(config, str(tmp_path / f"alone{r}"))
+        got, want = _records(dirs[r]), _records(tmp_path / f"alone{r}")
+        assert [g["step"] for g in got] == [w["step"] for w in want]
+        for g, w in zip(got, want):
+            assert {k for k in g if k.endswith("_acc") and g[k] != w[k]} == set()
+            for k in g:
+                assert g[k] == pytest.approx(w[k], rel=1e-5, abs=1e-6), (r, k)
+        with open(os.path.join(dirs[r], "config.json")) as f:
+            assert json.load(f)["lr"] == config.lr
+
+
+def test_a_pack_stopped_between_two_runs_saves_resumes_bit_for_bit(tmp_path, monkeypatch):
+    """Stopped after the first run saved step 2 and before the second did: the relaunched
+    pack resumes the runs at steps 3 and 1, and every record and final parameter is the
+    uninterrupted pack's, bit for bit."""
+    configs = _configs([dict(lr=1e-3), dict(lr=2e-3, test_envs=(1,), seed=1)], algorithm="sagm")
+    reference = [str(tmp_path / f"reference{r}") for r in range(2)]
+    packed.train_pack(configs, reference)
+    dirs = [str(tmp_path / f"resumed{r}") for r in range(2)]
+    save = checkpoints_lib.Checkpoints.save
+
+    def stop_at_second_runs_step_2(self, step, *args, **kwargs):
+        if step == 2 and self.directory == os.path.join(dirs[1], "checkpoints"):
+            raise KeyboardInterrupt
+        return save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoints_lib.Checkpoints, "save", stop_at_second_runs_step_2)
+    with pytest.raises(KeyboardInterrupt):
+        packed.train_pack(configs, dirs)
+    monkeypatch.setattr(checkpoints_lib.Checkpoints, "save", save)
+    assert [r["step"] for r in read_records(dirs[0])] == [0, 2]
+    packed.train_pack(configs, dirs)
+    for r in range(2):
+        assert _records(dirs[r]) == _records(reference[r])
+        last = read_records(reference[r])[-1]["step"]
+        for got, want in zip(_params(dirs[r], last), _params(reference[r], last), strict=True):
+            np.testing.assert_array_equal(got, want)
+
+
+def test_a_pack_on_eight_devices_is_the_pack_on_one(tmp_path):
+    """Eight runs, the run axis sharded over the 8 fake devices, against the same pack on
+    one device (``num_devices=1``): the same records to float32 rounding."""
+    runs = [dict(seed=r, lr=1e-3 * (1 + r / 8), test_envs=(r % 6,)) for r in range(8)]
+    spread = _configs(runs, algorithm="sagm", steps=3)
+    one = _configs(runs, algorithm="sagm", steps=3, num_devices=1)
+    assert packed.pack_mesh(8, 0).devices.size == 8 and packed.pack_mesh(8, 1).devices.size == 1
+    packed.train_pack(spread, [str(tmp_path / f"spread{r}") for r in range(8)])
+    packed.train_pack(one, [str(tmp_path / f"one{r}") for r in range(8)])
+    for r in range(8):
+        for g, w in zip(_records(tmp_path / f"spread{r}"), _records(tmp_path / f"one{r}")):
+            assert g.keys() == w.keys()
+            for k in g:
+                assert g[k] == pytest.approx(w[k], rel=1e-5, abs=1e-6), (r, k)
+
+
+def test_runs_that_cannot_share_a_program_are_refused_with_what_differs(tmp_path):
+    configs = _configs([dict(algorithm="sagm"), dict(algorithm="erm", batch_per_env=4)])
+    with pytest.raises(ValueError) as error:
+        packed.train_pack(configs, [str(tmp_path / "a"), str(tmp_path / "b")])
+    assert "config.algorithm differs" in str(error.value)
+    assert "config.batch_per_env differs" in str(error.value)
+    assert not os.path.exists(tmp_path / "a")
