@@ -75,7 +75,7 @@ def mlp_init(key, n_inputs: int, n_outputs: int, width: int, depth: int) -> dict
 def _dropout(x, rate: float, key):
     """PyTorch's training-mode ``nn.Dropout(rate)``: keep with probability 1 - rate and
     scale the kept by 1 / (1 - rate); the identity at rate 0."""
-    if rate == 0.0:
+    if isinstance(rate, (int, float)) and rate == 0.0:  # a traced rate (a pack) draws
         return x
     keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
     return jnp.where(keep, x / (1.0 - rate), 0.0)
@@ -196,17 +196,16 @@ def dann(hp: dict, *, conditional: bool) -> Procedure:
     every step; a record averages each over the steps that computed it), and ``loss`` =
     the reported one.
     """
-    disc_opt = torch_adam(float(hp["lr_d"]), float(hp["weight_decay_d"]),
-                          (float(hp["beta1"]), ADAM_BETA2))
-    gen_opt = torch_adam(float(hp["lr_g"]), float(hp["weight_decay_g"]),
-                         (float(hp["beta1"]), ADAM_BETA2))
-    d_steps = int(hp["d_steps_per_g_step"])
+    # The hyperparameters stay as given (no float()): a pack traces them (sagm_jax.training.packed).
+    disc_opt = torch_adam(hp["lr_d"], hp["weight_decay_d"], (hp["beta1"], ADAM_BETA2))
+    gen_opt = torch_adam(hp["lr_g"], hp["weight_decay_g"], (hp["beta1"], ADAM_BETA2))
+    d_steps = hp["d_steps_per_g_step"]
     disc_settings = {
-        "conditional": conditional, "dropout_rate": float(hp["mlp_dropout"]),
-        "grad_penalty": float(hp["grad_penalty"]),
+        "conditional": conditional, "dropout_rate": hp["mlp_dropout"],
+        "grad_penalty": hp["grad_penalty"],
         "balance": hp.get("cdann_balance", BALANCE_MAX_LABEL),
     }
-    weight = float(hp["dann_lambda"])
+    weight = hp["dann_lambda"]
 
     def init(params):
         network, own = split_params(params)

@@ -277,6 +277,6 @@ register_update_rule(UpdateRule(
        "classifier, decorrelated), classifier on both; first-order meta step on the "
        "domain-specific part", "Bui et al. 2021 (hamanhbui/mDSDI)"),
     "procedure",
-    lambda hp, **common: mdsdi(float(hp["mdsdi_meta_test_weight"]), **common),
+    lambda hp, **common: mdsdi(hp["mdsdi_meta_test_weight"], **common),
     network=MethodNetwork(init=init_mdsdi, predict=predict_mdsdi, init_from_network=True),
 ))

@@ -190,8 +190,9 @@ def group_learning_rates(network: MethodNetwork | None, hp: dict):
     ``group_learning_rates``; None when they step at the network's rate."""
     if network is None or network.learning_rate_multiplier is None:
         return None
-    multiplier = float(network.learning_rate_multiplier(hp))
-    return None if multiplier == 1.0 else scale_own_updates(multiplier)
+    multiplier = network.learning_rate_multiplier(hp)  # traced in a pack
+    static_one = isinstance(multiplier, (int, float)) and multiplier == 1.0
+    return None if static_one else scale_own_updates(multiplier)
 
 
 def scale_own_updates(multiplier: float):

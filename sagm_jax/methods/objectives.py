@@ -129,7 +129,7 @@ def reset_optimizer_step(name: str, hp: dict) -> int | None:
     entry = objective(name)
     if entry.restart_key is None:
         return None
-    return int(settings(entry.method, hp)[entry.restart_key])
+    return settings(entry.method, hp)[entry.restart_key]  # traced in a pack
 
 
 def objective_loss(
@@ -287,7 +287,8 @@ def cutmix_draws(key, n: int, height: int, width: int, beta: float, prob: float)
     i), centres u ~ U{0..H-1}, v ~ U{0..W-1}; the box from ``cutmix_box``."""
     coin_key, lam_key, perm_key, a_key, b_key = jax.random.split(key, 5)
     apply = (beta > 0) & (jax.random.uniform(coin_key) < prob)
-    lam = jax.random.beta(lam_key, beta, beta) if beta > 0 else jnp.float32(1.0)
+    # A select, not a Python branch: a pack traces beta (sagm_jax.training.packed).
+    lam = jnp.where(beta > 0, jax.random.beta(lam_key, beta, beta), jnp.float32(1.0))
     perm = jax.random.permutation(perm_key, n).astype(jnp.int32)
     centre_a = jax.random.randint(a_key, (), 0, height)
     centre_b = jax.random.randint(b_key, (), 0, width)

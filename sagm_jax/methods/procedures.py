@@ -82,10 +82,10 @@ class BatchPasses(NamedTuple):
 
 
 def torch_adam(learning_rate: float, weight_decay: float,
-               betas: tuple[float, float] = (0.9, 0.999)) -> optax.GradientTransformation:
+               betas: tuple[float, float] | None = None) -> optax.GradientTransformation:
     """PyTorch's ``Adam(lr, weight_decay, betas)``: coupled L2 (``g + wd * w`` enters the
-    moments), eps 1e-8; betas (0.9, 0.999) unless given."""
-    if tuple(betas) == (0.9, 0.999):
+    moments), eps 1e-8; betas (0.9, 0.999) unless given (they may be traced: a pack)."""
+    if betas is None:
         return paper_optimizer("erm", learning_rate=learning_rate, weight_decay=weight_decay)
     return optax.chain(
         optax.add_decayed_weights(weight_decay),
@@ -278,7 +278,7 @@ register_update_rule(UpdateRule(
     ), "inner Adam over the domains in turn (its state persists), then "
        "w <- w + meta_lr (w' - w)", "DomainBed (Shi et al. 2022)",
         (85.5, 77.8, 68.6, 45.1, 42.7, 63.9, "SAGM paper")),
-    "procedure", lambda hp, **common: fish(float(hp["fish_meta_lr"]), **common),
+    "procedure", lambda hp, **common: fish(hp["fish_meta_lr"], **common),
 ))
 register_update_rule(UpdateRule(
     Method("and_mask", "AND-mask", (
@@ -287,7 +287,7 @@ register_update_rule(UpdateRule(
     ), "mean of the domain gradients where their signs agree, rescaled",
         "DomainBed (Parascandolo et al. 2021)",
         (84.4, 78.1, 65.6, 44.6, 37.2, 62.0, "SAGM paper")),
-    "procedure", lambda hp, **common: and_mask(float(hp["and_mask_tau"]), **common),
+    "procedure", lambda hp, **common: and_mask(hp["and_mask_tau"], **common),
 ))
 register_update_rule(UpdateRule(
     Method("mldg", "MLDG", (
@@ -299,5 +299,5 @@ register_update_rule(UpdateRule(
        "inner Adam step", "DomainBed (Li et al. 2018)",
         (84.9, 77.2, 66.8, 47.7, 41.2, 63.6, "DomainBed")),
     "procedure",
-    lambda hp, **common: mldg(float(hp["mldg_beta"]), int(hp["mldg_n_meta_test"]), **common),
+    lambda hp, **common: mldg(hp["mldg_beta"], int(hp["mldg_n_meta_test"]), **common),
 ))

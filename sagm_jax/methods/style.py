@@ -260,6 +260,6 @@ register_update_rule(UpdateRule(
        "features, featurizer adversarial to the style classifier; three Adams",
         "DomainBed (Nam et al. 2021)",
         (86.3, 77.8, 68.1, 48.6, 40.3, 64.2, "DomainBed")),
-    "procedure", lambda hp, **common: sagnet(float(hp["sag_w_adv"]), **common),
+    "procedure", lambda hp, **common: sagnet(hp["sag_w_adv"], **common),
     network=MethodNetwork(init=init_style_classifier),
 ))

@@ -93,6 +93,22 @@ def torch_linear_init(fan_in: int):
     return init
 
 
+class TracedDropout(nn.Dropout):
+    """``nn.Dropout`` with a traced rate (the runs of a pack, ``sagm_jax.training.packed``,
+    each with its own): the same draw as ``nn.Dropout``'s under the same name (its
+    scope's ``dropout`` key, ``bernoulli(1 - rate)``, kept rows scaled by
+    ``1 / (1 - rate)``), made even at rate 0, where it keeps every row: the identity, as
+    the unpacked run that skips dropout."""
+
+    @nn.compact
+    def __call__(self, inputs, deterministic: bool | None = None, rng=None):
+        if self.deterministic if deterministic is None else deterministic:
+            return inputs
+        keep = 1.0 - self.rate
+        mask = jax.random.bernoulli(self.make_rng(self.rng_collection), keep, inputs.shape)
+        return jax.lax.select(mask, inputs / keep, jnp.zeros_like(inputs))
+
+
 def classifier_head(
     x, num_classes: int, dropout_rate: float, train: bool, kernel_init=None, features=False
 ):
@@ -102,7 +118,9 @@ def classifier_head(
     ``(features, logits)`` with ``features`` (the post-dropout pooled vector, DomainBed's
     featurizer output that CORAL and MMD compare)."""
     pooled = jnp.mean(x, axis=(1, 2))
-    if dropout_rate > 0.0:
+    if not isinstance(dropout_rate, (int, float)):  # traced: a pack's runs differ in it
+        pooled = TracedDropout(dropout_rate, deterministic=not train, name="Dropout_0")(pooled)
+    elif dropout_rate > 0.0:
         pooled = nn.Dropout(dropout_rate, deterministic=not train)(pooled)
     fan_in = pooled.shape[-1]
     logits = nn.Dense(

@@ -53,6 +53,7 @@ from tqdm import tqdm
 
 from sagm_jax.config import fields, validate
 from sagm_jax.data.pipeline import prefetch_to_mesh
+from sagm_jax.methods import networks
 from sagm_jax.results.selection import validation_accuracy
 from sagm_jax.swad.run import SwadRun
 from sagm_jax.training import train
@@ -71,14 +72,14 @@ RUNS = "runs"  # the mesh axis of the run axis
 
 def traced_keys() -> tuple[str, ...]:
     """The hyperparameters that may differ within a pack: the numeric (not boolean) keys
-    of the "method" and "optimizer" sections, less :data:`PROGRAM_HYPERPARAMETERS`."""
-    defaults = ml_collections.ConfigDict({f.key: f.default for s in fields().values() for f in s})
+    of the "method" and "optimizer" sections, less :data:`PROGRAM_HYPERPARAMETERS`, and
+    the network's ``dropout``."""
     return tuple(
         field.key
         for name in ("method", "optimizer")
         for field in fields()[name]
-        if type(defaults[field.key]) in (int, float) and field.key not in PROGRAM_HYPERPARAMETERS
-    )
+        if type(field.default) in (int, float) and field.key not in PROGRAM_HYPERPARAMETERS
+    ) + ("dropout",)
 
 
 def program_key(config_dict: dict) -> str:
@@ -150,7 +151,8 @@ def packed_train_step(config, model, num_domains: int):
     def one_run(values, state, batch, key):
         run = RunConfig(config, values)
         optimizer = optimizer_from_config(run, num_domains=num_domains)
-        return run_train_step(run, model, optimizer, num_domains)(state, batch, key)
+        step = run_train_step(run, run_model(model, run), optimizer, num_domains)
+        return step(state, batch, key)
 
     def step(values, states, batches, keys, active):
         stepped, metrics = jax.vmap(one_run)(values, states, batches, keys)
@@ -161,6 +163,15 @@ def packed_train_step(config, model, num_domains: int):
         return jax.tree.map(keep, stepped, states), metrics
 
     return jax.jit(step, donate_argnums=1)
+
+
+def run_model(model, config):
+    """The pack's network as run ``config`` trains it: its own (traced) dropout rate, and
+    its method's prediction with its own hyperparameters (``networks.method_network``)."""
+    base = model.model if isinstance(model, networks.MethodModel) else model
+    if not isinstance(config.dropout, (int, float)):
+        base = base.clone(dropout_rate=config.dropout)
+    return networks.wrap(base, *networks.method_network(config))
 
 
 def packed_initial_states(config, values, variables: list, num_domains: int):
