@@ -145,7 +145,8 @@ def varying_values(configs) -> dict[str, np.ndarray]:
 def packed_train_step(config, model, num_domains: int):
     """The pack's jitted ``step(values, states, batches, keys, active) -> (states,
     metrics)``: every run's step under ``jax.vmap`` (the module docstring); the states of
-    the runs that are not ``active`` are kept as they were."""
+    the runs that are not ``active`` are kept as they were. A pack of one runs its step
+    unbatched, the program of the run trained alone."""
     from sagm_jax.training.train import optimizer_from_config
 
     def one_run(values, state, batch, key):
@@ -155,7 +156,11 @@ def packed_train_step(config, model, num_domains: int):
         return step(state, batch, key)
 
     def step(values, states, batches, keys, active):
-        stepped, metrics = jax.vmap(one_run)(values, states, batches, keys)
+        if keys.shape[0] == 1:  # a pack of one: the run's own program, bit for bit
+            lane = jax.tree.map(lambda x: x[0], (values, states, batches, keys))
+            stepped, metrics = jax.tree.map(lambda x: x[None], one_run(*lane))
+        else:
+            stepped, metrics = jax.vmap(one_run)(values, states, batches, keys)
 
         def keep(new, old):
             return jnp.where(active.reshape(-1, *[1] * (new.ndim - 1)), new, old)
