@@ -48,7 +48,7 @@ import shlex
 import sys
 
 from sagm_jax import methods
-from sagm_jax.sweep import jobs as jobs_lib, launchers, preflight
+from sagm_jax.sweep import jobs as jobs_lib, launchers, packs, preflight
 from sagm_jax.sweep.jobs import INCOMPLETE, PRESETS
 
 # The --launcher slurm / submitit_local flags: make_executor's keyword arguments.
@@ -160,6 +160,15 @@ def _launcher_arguments(parser: argparse.ArgumentParser) -> None:
         default="local",
         help="local processes; SLURM array tasks through submitit; or submitit's local "
         "executor (the SLURM path on this machine).",
+    )
+    parser.add_argument(
+        "--pack",
+        type=int,
+        default=1,
+        metavar="R",
+        help="Train the jobs that share a program up to R at a time in one process "
+        "(sagm_jax.sweep.packs; they differ only in seeds, split, test environments and "
+        "continuous hyperparameters). 1: one process per job.",
     )
     local = parser.add_argument_group("--launcher local")
     local.add_argument("--jobs", type=int, default=1, help="Jobs at a time (without --gpus).")
@@ -313,9 +322,20 @@ def main(argv=None) -> int:
         return show_status(args, jobs)
     if args.command == "delete_incomplete":
         return delete_incomplete(args, jobs)
+    if args.pack < 1:
+        print(f"sweep: --pack {args.pack}: expected a pack size >= 1.", file=sys.stderr)
+        return 2
+    if args.pack > 1:
+        jobs = packs.make_packs(jobs, args.output_dir, args.pack)
+        print(f"sweep: --pack {args.pack}: the jobs by program (what sets each apart):")
+        print("\n".join(packs.grouping_lines(jobs)))
     if args.dry_run:
         for job in jobs:
-            print(f"[{job.status()}] " + shlex.join(job.command()))
+            if isinstance(job, packs.Pack):
+                print(f"[{job.status()}] {job.describe()}: "
+                      + shlex.join(job.command(range(len(job.jobs)))))
+            else:
+                print(f"[{job.status()}] " + shlex.join(job.command()))
         return 0
     if args.launcher != "local":
         return submit(args, jobs)

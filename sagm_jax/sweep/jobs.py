@@ -11,7 +11,8 @@ those existed keep their names). As in DomainBed, its directory is
 ``args.json`` there, so the same grid always names the same directories. The run
 directory inside is ``sagm_jax.training.rundir``'s; the job folder adds ``args.json``,
 ``out.txt`` / ``err.txt`` (the job's output, one header per launch) and the
-launcher's claim ``launcher.lock``.
+launcher's claim ``launcher.lock``. ``<output_dir>/packs/`` holds the files of the
+processes that train several jobs at once (``launch --pack``, ``sagm_jax.sweep.packs``).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ DONE, RUNNING, INCOMPLETE, NOT_LAUNCHED = "done", "running", "incomplete", "not 
 ARGS = "args.json"  # the job's arguments, in its folder
 CLAIM = "launcher.lock"  # held by the launcher that runs the job, and by the job's process
 OUT, ERR = "out.txt", "err.txt"
+PACKS = "packs"  # <output_dir>/packs/<id>/: the packs' files (sagm_jax.sweep.packs)
 
 
 def num_environments(dataset: str) -> int:
@@ -386,7 +388,7 @@ def unknown_folders(jobs: list[Job], output_dir: str) -> list[str]:
     lines = []
     for name in sorted(os.listdir(output_dir)):
         path = os.path.join(output_dir, name)
-        if name.startswith(".") or name in known or not os.path.isdir(path):
+        if name.startswith(".") or name in known or name == PACKS or not os.path.isdir(path):
             continue
         if not os.path.exists(os.path.join(path, ARGS)):
             lines.append(f"{name[:10]}  not a job folder (no {ARGS})")

@@ -36,6 +36,7 @@ import time
 from sagm_jax import claims
 from sagm_jax.cli import REPO
 from sagm_jax.formatting import duration
+from sagm_jax.sweep.packs import Pack
 from sagm_jax.sweep.jobs import (
     ARGS,
     CLAIM,
@@ -55,49 +56,99 @@ INTERRUPTED_EXIT = 130  # sagm_jax.main after Ctrl-C / SIGTERM
 STOP_GRACE_S = 120  # a stopped run's time to finish its checkpoint save
 
 
-def run_job(job: Job, command: list[str], gpu: str | None = None, started=None):
+def run_job(job: Job | Pack, command: list[str] | None, gpu: str | None = None, started=None):
     """Claims ``job``, runs ``command`` in its directory with the claim handed to the
     process, and returns the exit status; ELSEWHERE when another process holds the
     claim, ALREADY_DONE when the job finished meanwhile. ``started(process)`` is called
-    once the process runs."""
+    once the process runs. A :class:`Pack` (``command`` None) goes to :func:`run_pack`."""
+    if isinstance(job, Pack):
+        return run_pack(job, gpu, started)
     claim = claims.try_claim(job.directory, CLAIM)
     if claim is None:  # a job that finished still holds it while its process exits
         return ALREADY_DONE if job.is_done() else ELSEWHERE
     with claim:
         if job.is_done():  # finished by another launcher since this one looked
             return ALREADY_DONE
-        with open(os.path.join(job.directory, ARGS), "w") as f:
-            json.dump(job.args, f, indent=2, sort_keys=True)
-        env = dict(os.environ)
-        if gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = gpu
-        # Appended, never truncated: a job's history of launches stays readable.
-        with (
-            open(os.path.join(job.directory, OUT), "a") as out,
-            open(os.path.join(job.directory, ERR), "a") as err,
-        ):
-            header = (
-                f"=== {datetime.datetime.now().isoformat(timespec='seconds')} on "
-                f"{socket.gethostname()} (launcher pid {os.getpid()}): {shlex.join(command)}\n"
-            )
-            for f in (out, err):
-                f.write(header)
-                f.flush()
-            process = subprocess.Popen(
-                command,
-                stdout=out,
-                stderr=err,
-                cwd=REPO,  # the jobs' config files are relative to the repository
-                env=env,
-                pass_fds=(claim.fileno(),),  # the job keeps the claim if the launcher dies
-                start_new_session=True,  # signals reach it through the launcher only
-            )
-            if started is not None:
-                started(process)
-            # Polling, not wait(): a signal handler of this thread may wait for it too.
-            while process.poll() is None:
-                time.sleep(0.2)
-            return process.returncode
+        _write_args(job)
+        return _run_process(command, job.directory, [claim], gpu, started)
+
+
+def run_pack(pack: Pack, gpu: str | None = None, started=None):
+    """Claims what it can of ``pack``'s jobs that are not done and runs the pack's
+    process for them (``sagm_jax.sweep.packs``), the claims handed to it; its output in
+    the pack's folder, a line in each job's ``out.txt`` saying so. ELSEWHERE / ALREADY_DONE
+    when it claimed none."""
+    held, lanes = [], []
+    try:
+        for lane, job in enumerate(pack.jobs):
+            if job.is_done():
+                continue
+            claim = claims.try_claim(job.directory, CLAIM)
+            if claim is None:
+                continue
+            if job.is_done():
+                claim.release()
+                continue
+            held.append(claim)
+            lanes.append(lane)
+        if not lanes:
+            return ALREADY_DONE if pack.is_done() else ELSEWHERE
+        pack.write()
+        command = pack.command(lanes)
+        for lane in lanes:
+            job = pack.jobs[lane]
+            _write_args(job)
+            with open(os.path.join(job.directory, OUT), "a") as out:
+                out.write(f"{_header(command)}trained in a pack of {len(pack.jobs)} (lane "
+                          f"{lane}); its output: {os.path.join(pack.directory, OUT)}\n")
+        return _run_process(command, pack.directory, held, gpu, started)
+    finally:
+        for claim in held:
+            claim.release()
+
+
+def _write_args(job: Job) -> None:
+    with open(os.path.join(job.directory, ARGS), "w") as f:
+        json.dump(job.args, f, indent=2, sort_keys=True)
+
+
+def _header(command: list[str]) -> str:
+    return (
+        f"=== {datetime.datetime.now().isoformat(timespec='seconds')} on "
+        f"{socket.gethostname()} (launcher pid {os.getpid()}): {shlex.join(command)}\n"
+    )
+
+
+def _run_process(command, directory: str, held: list, gpu, started) -> int:
+    """Runs ``command`` with its output appended to ``directory``'s out.txt / err.txt
+    and the claims ``held`` handed to it; returns its exit status."""
+    env = dict(os.environ)
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+    # Appended, never truncated: a job's history of launches stays readable.
+    with (
+        open(os.path.join(directory, OUT), "a") as out,
+        open(os.path.join(directory, ERR), "a") as err,
+    ):
+        for f in (out, err):
+            f.write(_header(command))
+            f.flush()
+        process = subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=err,
+            cwd=REPO,  # the jobs' config files are relative to the repository
+            env=env,
+            # The job keeps its claims if the launcher dies.
+            pass_fds=tuple(claim.fileno() for claim in held),
+            start_new_session=True,  # signals reach it through the launcher only
+        )
+        if started is not None:
+            started(process)
+        # Polling, not wait(): a signal handler of this thread may wait for it too.
+        while process.poll() is None:
+            time.sleep(0.2)
+        return process.returncode
 
 
 def stop_process(process, grace_s: float = STOP_GRACE_S) -> None:
@@ -168,10 +219,11 @@ def launch(
     make_command=Job.command,
     log=print,
 ) -> dict:
-    """Runs every job that is not done and not claimed elsewhere. Returns ``{"skipped":
-    [...], "finished": [...], "failed": [(job, exit status), ...], "elsewhere": [...],
-    "stopped": [...]}`` ("stopped": interrupted by Ctrl-C / SIGTERM, or never started
-    because of it)."""
+    """Runs every job (or :class:`Pack` of jobs, ``sagm_jax.sweep.packs``) that is not
+    done and not claimed elsewhere. Returns ``{"skipped": [...], "finished": [...],
+    "failed": [(job, exit status), ...], "elsewhere": [...], "stopped": [...]}`` of the
+    jobs, a pack's jobs where the pack went ("stopped": interrupted by Ctrl-C / SIGTERM,
+    or never started because of it)."""
     result = {"skipped": [], "finished": [], "failed": [], "elsewhere": [], "stopped": []}
     todo = []
     for job in jobs:
@@ -183,11 +235,15 @@ def launch(
         else:
             todo.append(job)
     n_workers = len(gpus) if gpus else max(1, workers)
+    count = lambda items: sum(len(_jobs_of(item)) for item in items)  # noqa: E731
+    packs = f" in {len(todo)} packs" if any(isinstance(i, Pack) for i in todo) else ""
     log(
-        f"{len(jobs)} jobs: {len(result['skipped'])} done, {len(result['elsewhere'])} "
-        f"running elsewhere, {len(todo)} to run ({n_workers} at a time)."
+        f"{count(jobs)} jobs: {count(result['skipped'])} done, {count(result['elsewhere'])} "
+        f"running elsewhere, {count(todo)} to run{packs} ({n_workers} at a time)."
     )
-    progress = Progress(len(todo), n_workers, varying_keys(jobs, exclude=SWEEP_KEYS), log)
+    progress = Progress(
+        len(todo), n_workers, varying_keys(_all_jobs(jobs), exclude=SWEEP_KEYS), log
+    )
     workers = _Workers(gpus, make_command, progress)
     handlers = {}
     if threading.current_thread() is threading.main_thread():
@@ -211,7 +267,19 @@ def launch(
     finished_elsewhere = [job for job in result["elsewhere"] if job.is_done()]
     result["skipped"] += finished_elsewhere
     result["elsewhere"] = [job for job in result["elsewhere"] if job not in finished_elsewhere]
-    return result
+    return {
+        name: [(job, code) for item, code in items for job in _jobs_of(item)]
+        if name == "failed" else _all_jobs(items)
+        for name, items in result.items()
+    }
+
+
+def _jobs_of(item) -> list[Job]:
+    return item.jobs if isinstance(item, Pack) else [item]
+
+
+def _all_jobs(items) -> list[Job]:
+    return [job for item in items for job in _jobs_of(item)]
 
 
 def _file_outcome(result: dict, job: Job, outcome, stopping: bool, log) -> None:
@@ -254,11 +322,8 @@ class _Workers:
                 process.send_signal(signal.SIGTERM)
 
         try:
-            outcome = (
-                STOPPED
-                if self.stop.is_set()
-                else run_job(job, self.make_command(job), gpu, started)
-            )
+            command = None if isinstance(job, Pack) else self.make_command(job)
+            outcome = STOPPED if self.stop.is_set() else run_job(job, command, gpu, started)
         finally:
             if self.gpus:
                 self.free_gpus.put(gpu)
@@ -288,7 +353,8 @@ class ClusterTask:
     the run cleanly (it keeps its checkpoint) and has submitit requeue this task; the
     requeued task runs the same command, which resumes."""
 
-    def __init__(self, args: dict, output_dir: str, command: list[str]):
+    def __init__(self, args: dict | list[dict], output_dir: str, command: list[str] | None):
+        # ``args``: a job's arguments, or the list of a pack's (``command`` None).
         self.args, self.output_dir, self.command = args, output_dir, command
         self._process = None
 
@@ -296,8 +362,13 @@ class ClusterTask:
         def started(process):
             self._process = process
 
-        outcome = run_job(Job(self.args, self.output_dir), self.command, None, started)
-        return {"job": job_hash(self.args), "outcome": outcome}
+        if isinstance(self.args, list):
+            item = Pack([Job(args, self.output_dir) for args in self.args], self.output_dir)
+            name = os.path.basename(item.directory)
+        else:
+            item, name = Job(self.args, self.output_dir), job_hash(self.args)
+        outcome = run_job(item, self.command, None, started)
+        return {"job": name, "outcome": outcome}
 
     def checkpoint(self, *args, **kwargs):
         from submitit.helpers import DelayedSubmission
@@ -347,18 +418,22 @@ def make_executor(
 
 
 def submit(jobs: list[Job], output_dir: str, executor, make_command=Job.command, log=print):
-    """Submits every job that is neither done nor running as ONE submitit job array
-    (with SLURM: one array task per job) of :class:`ClusterTask`; returns the submitit
-    jobs."""
+    """Submits every job (or :class:`Pack`) that is neither done nor running as ONE
+    submitit job array (with SLURM: one array task per job or pack) of
+    :class:`ClusterTask`; returns the submitit jobs."""
     todo = [job for job in jobs if job.status() not in (DONE, RUNNING)]
     log(f"{len(jobs)} jobs: {len(jobs) - len(todo)} done or running; submitting {len(todo)}.")
     if not todo:
         return []
+
+    def task(item):
+        if isinstance(item, Pack):
+            return ClusterTask([job.args for job in item.jobs], output_dir, None)
+        return ClusterTask(item.args, output_dir, make_command(item))
+
     with executor.batch():
-        submitted = [
-            executor.submit(ClusterTask(job.args, output_dir, make_command(job))) for job in todo
-        ]
-    keys = varying_keys(jobs, exclude=SWEEP_KEYS)
+        submitted = [executor.submit(task(item)) for item in todo]
+    keys = varying_keys(_all_jobs(jobs), exclude=SWEEP_KEYS)
     for job, task in zip(todo, submitted):
         log(f"submitted {task.job_id}: {job.describe(keys)}")
     return submitted

@@ -67,7 +67,7 @@ class Flags(NamedTuple):
         return None
 
 
-class _Builder:
+class Builder:
     """Builds the jobs' configs, with each config file, key and value read once."""
 
     def __init__(self):
@@ -170,7 +170,7 @@ def _mldg_reason(config) -> str:
 def check_jobs(jobs: list[Job], flags: Flags = Flags({}, {})) -> Report:
     """Every job's config built and checked (the module docstring): the problems, each
     once, naming the flag or the jobs it comes from; and the jobs left out."""
-    builder, report, found = _Builder(), Report(), {}
+    builder, report, found = Builder(), Report(), {}
     checked = {}
     for job in jobs:
         config, problems = builder.config(job)

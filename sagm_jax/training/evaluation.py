@@ -136,7 +136,7 @@ class Evaluator:
     ``dataset.Source``), so the results are too. ``kept_bytes`` says how much is where.
     """
 
-    def __init__(self, model, dataset, mesh, config, train_envs, step=None):
+    def __init__(self, model, dataset, mesh, config, train_envs):
         empty = [
             f"env{env} ({dataset.env_names[env]}) '{part}'"
             for env in range(len(dataset.env_names))
@@ -153,10 +153,14 @@ class Evaluator:
         self.train_envs = list(train_envs)
         self.parts = evaluated_parts(dataset.splits, self.train_envs, config.eval_splits)
         self.batch_size = batch_size(config, mesh.devices.size, mesh.devices.flat[0].platform)
-        # ``step``: a ``seeded_eval_step`` shared with other evaluators (a pack's runs).
-        step = step or seeded_eval_step(model, jnp.dtype(config.compute_dtype), config.image_size)
-        self.shared_step = step
-        self.step = lambda params, batch_stats, batch: step(params, batch_stats, batch, config.seed)
+        # A ``seeded_eval_step``; the runs of a pack that predict alike share one
+        # (``sagm_jax.training.packed``), compiled once.
+        self.shared_step = seeded_eval_step(
+            model, jnp.dtype(config.compute_dtype), config.image_size
+        )
+        self.step = lambda params, batch_stats, batch: self.shared_step(
+            params, batch_stats, batch, config.seed
+        )
         self._kept: dict[tuple[int, str], list | None] = {}  # None: read again each time
         self._room: dict[str, int] | None = None  # bytes left per place, from the first call
         self.kept_bytes = {DEVICE: 0, HOST: 0}

@@ -56,7 +56,7 @@ from sagm_jax.data.pipeline import prefetch_to_mesh
 from sagm_jax.methods import networks
 from sagm_jax.results.selection import validation_accuracy
 from sagm_jax.swad.run import SwadRun
-from sagm_jax.training import train
+from sagm_jax.training import train as train_lib
 from sagm_jax.training.rundir import RunDir, evaluation_interval, is_evaluation_step
 from sagm_jax.training.summary import print_summary
 from sagm_jax.training.train_step import run_train_step
@@ -221,11 +221,15 @@ def pack_mesh(runs: int, num_devices: int = 0) -> jax.sharding.Mesh:
     return jax.sharding.Mesh(np.array(devices), (RUNS,))
 
 
-def train_pack(configs: list, workdirs: list[str]) -> list[list[dict]]:
+def train_pack(configs: list, workdirs: list[str], train: set[int] | None = None
+               ) -> list[list[dict]]:
     """Trains the runs ``configs`` (one run each, in ``workdirs``) as one pack; returns
-    each run's records. Raises ``ValueError`` naming what differs when they cannot share
-    a program, and ``RuntimeError`` at the end when a run stopped on a non-finite loss
-    (the others finish)."""
+    each run's records. ``train``: the lanes to train (default all); the others, like
+    the runs found done, only hold their place in the program and their directories
+    are not touched. Raises ``ValueError`` naming what differs when the runs cannot
+    share a program (before any directory is written), and ``RuntimeError`` at the end
+    when a run stopped on a non-finite loss (the others finish)."""
+    lanes = set(range(len(configs))) if train is None else set(train)
     start_time = time.monotonic()
     problems = program_problems([c.to_dict() for c in configs])
     if problems:
@@ -235,25 +239,30 @@ def train_pack(configs: list, workdirs: list[str]) -> list[list[dict]]:
     mesh = pack_mesh(len(configs), configs[0].num_devices)
     eval_mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("batch",))
     base = configs[0]
-    eval_step = None  # the first run's, shared by the others (one compiled evaluation)
+    eval_steps = {}  # one compiled evaluation per way of predicting (_prediction)
     members, variables = [], []
-    for config, workdir in zip(configs, workdirs):
+    for lane, (config, workdir) in enumerate(zip(configs, workdirs)):
         validate(config, device_count=jax.device_count())
         rundir = RunDir(workdir, is_main=True)
-        rundir.check_config(config.to_dict())
         member = Member(config, rundir)
         members.append(member)
-        if rundir.done:
-            member.records = train._finished(rundir, config)
-            variables.append(None)
+        variables.append(None)
+        if lane not in lanes:
             continue
-        program, run_variables = train.open_run(config, eval_mesh, eval_step)
-        eval_step = eval_step or program.evaluator.shared_step
-        member.program, member.checkpoints = program, train.start_run_directory(
-            config, rundir, program
+        rundir.check_config(config.to_dict())
+        if rundir.done:
+            member.records = train_lib.finished_records(rundir, config)
+            continue
+        member.program, variables[-1] = train_lib.open_run(config, eval_mesh)
+        evaluator = member.program.evaluator
+        evaluator.shared_step = eval_steps.setdefault(
+            _prediction(member.program.model), evaluator.shared_step
         )
-        variables.append(run_variables)
     live = [m for m in members if m.live]
+    for member in live:  # every run opened: now their directories are written
+        member.checkpoints = train_lib.start_run_directory(
+            member.config, member.rundir, member.program
+        )
     if not live:
         return [m.records for m in members]
     template = next(v for v in variables if v is not None)
@@ -279,6 +288,15 @@ def train_pack(configs: list, workdirs: list[str]) -> list[list[dict]]:
             + f"\n{len(failed)} of the pack's {len(members)} runs stopped; the others finished."
         )
     return [m.records for m in members]
+
+
+def _prediction(model) -> str:
+    """What a run's evaluation depends on besides its variables: nothing for a network
+    (its dropout is off in evaluation), a method's hyperparameters for a method that
+    predicts its own way (``networks.MethodModel``)."""
+    if isinstance(model, networks.MethodModel):
+        return json.dumps(model.hp, sort_keys=True, default=str)
+    return "network"
 
 
 def _restore(members: list[Member], states):
@@ -344,7 +362,7 @@ def _loop(config, members: list[Member], step, states, values, keys, mesh):
                 break
             active_device = jax.device_put(active, runs)
             states, metrics = step(values, states, next(batches), keys, active_device)
-            sums = train.accumulate(sums, metrics, active_device)
+            sums = train_lib.accumulate(sums, metrics, active_device)
             progress.update(1)
             if t % config.log_every == 0:
                 _check_losses(members, np.asarray(metrics["loss"]), active, t)
@@ -371,7 +389,7 @@ def _check_losses(members, losses, active, t):
 
 
 def _evaluate(member: Member, r: int, states, sums, t: int):
-    """Run ``r``'s evaluation after step ``t``: its record (``train._evaluate``), SWAD's
+    """Run ``r``'s evaluation after step ``t``: its record (``train.evaluate_and_record``), SWAD's
     segment, its checkpoint; returns the states and sums with its lane updated."""
     program = member.program
     lane = jax.device_put(
@@ -379,7 +397,7 @@ def _evaluate(member: Member, r: int, states, sums, t: int):
     )
     means = {k: float(total[r]) / int(n[r]) for k, (total, n) in sums.items() if int(n[r])}
     try:
-        record = train._evaluate(
+        record = train_lib.evaluate_and_record(
             member.config, program, member.rundir, member.checkpoints, lane, t, means
         )
     except FloatingPointError as error:

@@ -187,10 +187,10 @@ def initial_state(config, variables, optimizer, num_domains: int):
     )
 
 
-def open_run(config, mesh=None, eval_step=None) -> tuple[Program, dict]:
+def open_run(config, mesh=None) -> tuple[Program, dict]:
     """The run's data, environments, mesh (``mesh`` or the config's), network and
-    evaluator (sharing ``eval_step``, a ``seeded_eval_step``, where given): a
-    :class:`Program` without state or step, and the network's initial variables."""
+    evaluator: a :class:`Program` without state or step, and the network's initial
+    variables."""
     dataset = data_lib.from_config(config)
     test_envs, train_envs = _environments(config, dataset)
     mesh = mesh or _mesh(config, train_envs)
@@ -221,7 +221,7 @@ def open_run(config, mesh=None, eval_step=None) -> tuple[Program, dict]:
         model=model,
         state=None,
         train_step=None,
-        evaluator=Evaluator(model, dataset, mesh, config, train_envs, eval_step),
+        evaluator=Evaluator(model, dataset, mesh, config, train_envs),
         run_info=run_info,
     )
     return program, variables
@@ -237,7 +237,7 @@ def train_one_run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]
     config_dict = config.to_dict()
     rundir.check_config(config_dict)  # first, finished run or not
     if rundir.done:
-        return _finished(rundir, config)
+        return finished_records(rundir, config)
     program = setup(config)
     checkpoints = start_run_directory(config, rundir, program)
     state = checkpoints.restore_latest(program.state)
@@ -271,7 +271,7 @@ def start_run_directory(config, rundir: RunDir, program: Program) -> Checkpoints
     return checkpoints
 
 
-def _finished(rundir: RunDir, config) -> list[dict]:
+def finished_records(rundir: RunDir, config) -> list[dict]:
     """A done run's records, once its data and records are checked: a sweep relaunched
     on changed data must not mix this run's results with new ones."""
     check_split_record(rundir.workdir, data_lib.from_config(config, open_images=False))
@@ -323,7 +323,7 @@ def _training_loop(
                 writer.write_scalars(t, {"train/loss": loss})
             if is_evaluation_step(t, config.steps, interval):
                 means = {k: float(total) / int(n) for k, (total, n) in sums.items() if int(n)}
-                record = _evaluate(config, program, rundir, checkpoints, state, t, means)
+                record = evaluate_and_record(config, program, rundir, checkpoints, state, t, means)
                 records.append(record)
                 writer.write_scalars(t, {k: v for k, v in record.items() if k.endswith("_acc")})
                 if swad_run is not None:
@@ -355,7 +355,7 @@ def accumulate(sums, metrics, counted=True):
     return step if sums is None else jax.tree.map(jnp.add, sums, step)
 
 
-def _evaluate(config, program: Program, rundir: RunDir, checkpoints, state, t, means) -> dict:
+def evaluate_and_record(config, program: Program, rundir: RunDir, checkpoints, state, t, means) -> dict:
     """Evaluates ``state`` after step ``t`` and appends its record (before the
     checkpoint: see the module docstring); ``means`` are the step metrics' means."""
     mean_loss = _finite_loss(means.pop("loss"), t, checkpoints, rundir)

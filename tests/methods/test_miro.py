@@ -208,22 +208,36 @@ def test_the_oracle_stays_bit_identical():
     assert "oracle" not in str(jax.tree.structure(final.opt_state))
 
 
+def _init_and_apply(model, x):
+    """The model's variables and, at them in eval mode, its logits, its sown intermediates
+    in the order sown, and its logits without sowing. Compiled, and drawn with the "rbg"
+    generator: run eagerly, or compiled with threefry's draws, the init took seconds."""
+    order = []
+
+    def run(x):
+        variables = model.init(jax.random.key(1, impl="rbg"), x, train=False)
+        logits, sown = model.apply(variables, x, train=False, mutable=[INTERMEDIATES])
+        order.extend(sown[INTERMEDIATES])  # jit's outputs sort a dict's keys
+        return variables, logits, sown[INTERMEDIATES], model.apply(variables, x, train=False)
+
+    variables, logits, sown, plain = jax.jit(run)(x)
+    return variables, logits, {k: sown[k][0] for k in order}, plain
+
+
 def test_resnet_intermediates_are_its_layers_outputs():
     from sagm_jax.models import resnet
 
     model = resnet.ResNet("resnet18", num_classes=3)
     x = jax.random.normal(jax.random.key(0), (2, 32, 32, 3))
-    variables = model.init(jax.random.key(1), x, train=False)
-    logits, sown = model.apply(variables, x, train=False, mutable=[INTERMEDIATES])
-    np.testing.assert_array_equal(logits, model.apply(variables, x, train=False))
-    sown = {k: v[0] for k, v in sown[INTERMEDIATES].items()}
+    variables, logits, sown, plain = _init_and_apply(model, x)
+    np.testing.assert_array_equal(logits, plain)
     assert list(sown) == ["stem", "block1", "block2", "block3", "block4"]
     assert [v.shape[-1] for v in sown.values()] == [64, 64, 128, 256, 512]
     p, s = variables["params"], variables["batch_stats"]
 
     def layer(module, name, h):
-        return module.apply({"params": p[name], **({"batch_stats": s[name]} if name in s else {})},
-                            h)
+        return jax.jit(module.apply)(
+            {"params": p[name], **({"batch_stats": s[name]} if name in s else {})}, h)
 
     stem = layer(resnet.Conv(64, 7, 2), "conv1", x)
     stem = jax.nn.relu(layer(resnet.batchnorm(True, "bn1"), "bn1", stem))
@@ -242,9 +256,7 @@ def test_mnist_cnn_intermediates_are_its_conv_blocks():
 
     model = MnistCNN(num_classes=3, widths=(8, 8, 8, 16))
     x = jax.random.normal(jax.random.key(0), (2, 8, 8, 1))
-    variables = model.init(jax.random.key(1), x, train=False)
-    _, sown = model.apply(variables, x, train=False, mutable=[INTERMEDIATES])
-    sown = {k: v[0] for k, v in sown[INTERMEDIATES].items()}
+    variables, _, sown, _ = _init_and_apply(model, x)
     assert [(k, v.shape) for k, v in sown.items()] == [
         ("block1", (2, 8, 8, 8)), ("block2", (2, 4, 4, 8)), ("block3", (2, 4, 4, 8)),
         ("block4", (2, 4, 4, 16))]
