@@ -142,11 +142,10 @@ def varying_values(configs) -> dict[str, np.ndarray]:
     return values
 
 
-def packed_train_step(config, model, num_domains: int):
-    """The pack's jitted ``step(values, states, batches, keys, active) -> (states,
-    metrics)``: every run's step under ``jax.vmap`` (the module docstring); the states of
-    the runs that are not ``active`` are kept as they were. A pack of one runs its step
-    unbatched, the program of the run trained alone."""
+def run_step(config, model, num_domains: int):
+    """``one_run(values, state, batch, key) -> (state, metrics)``: one run's step (the
+    one definition, ``train_step.run_train_step``) with its own ``values`` (traced) of
+    the keys that vary in the pack, the optimizer built from them."""
     from sagm_jax.training.train import optimizer_from_config
 
     def one_run(values, state, batch, key):
@@ -154,6 +153,16 @@ def packed_train_step(config, model, num_domains: int):
         optimizer = optimizer_from_config(run, num_domains=num_domains)
         step = run_train_step(run, run_model(model, run), optimizer, num_domains)
         return step(state, batch, key)
+
+    return one_run
+
+
+def packed_train_step(config, model, num_domains: int):
+    """The pack's jitted ``step(values, states, batches, keys, active) -> (states,
+    metrics)``: every run's step under ``jax.vmap`` (the module docstring); the states of
+    the runs that are not ``active`` are kept as they were. A pack of one runs its step
+    unbatched, the program of the run trained alone."""
+    one_run = run_step(config, model, num_domains)
 
     def step(values, states, batches, keys, active):
         if keys.shape[0] == 1:  # a pack of one: the run's own program, bit for bit
@@ -221,15 +230,16 @@ def pack_mesh(runs: int, num_devices: int = 0) -> jax.sharding.Mesh:
     return jax.sharding.Mesh(np.array(devices), (RUNS,))
 
 
-def train_pack(configs: list, workdirs: list[str], train: set[int] | None = None
-               ) -> list[list[dict]]:
+def train_pack(configs: list, workdirs: list[str], train: set[int] | None = None,
+               lanes: str | None = None) -> list[list[dict]]:
     """Trains the runs ``configs`` (one run each, in ``workdirs``) as one pack; returns
     each run's records. ``train``: the lanes to train (default all); the others, like
     the runs found done, only hold their place in the program and their directories
-    are not touched. Raises ``ValueError`` naming what differs when the runs cannot
+    are not touched. ``lanes``: "vmap" (:class:`VmapLanes`) or "loop"
+    (:class:`LoopLanes`); default :func:`default_lanes`. Raises ``ValueError`` naming what differs when the runs cannot
     share a program (before any directory is written), and ``RuntimeError`` at the end
     when a run stopped on a non-finite loss (the others finish)."""
-    lanes = set(range(len(configs))) if train is None else set(train)
+    trained = set(range(len(configs))) if train is None else set(train)
     start_time = time.monotonic()
     problems = program_problems([c.to_dict() for c in configs])
     if problems:
@@ -247,7 +257,7 @@ def train_pack(configs: list, workdirs: list[str], train: set[int] | None = None
         member = Member(config, rundir)
         members.append(member)
         variables.append(None)
-        if lane not in lanes:
+        if lane not in trained:
             continue
         rundir.check_config(config.to_dict())
         if rundir.done:
@@ -271,13 +281,16 @@ def train_pack(configs: list, workdirs: list[str], train: set[int] | None = None
     model, num_domains = live[0].program.model, len(live[0].program.train_envs)
     states = packed_initial_states(base, values, variables, num_domains)
     states = _restore(members, states)
-    runs = NamedSharding(mesh, P(RUNS))
-    states, values = jax.device_put((states, values), runs)
-    keys = jax.device_put(
-        jnp.stack([jax.random.split(jax.random.key(c.seed))[1] for c in configs]), runs
-    )
-    step = packed_train_step(base, model, num_domains)
-    _loop(base, members, step, states, values, keys, mesh)
+    keys = jnp.stack([jax.random.split(jax.random.key(c.seed))[1] for c in configs])
+    lanes = lanes or default_lanes()
+    if lanes == "loop":
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), (RUNS,))
+        lanes = LoopLanes(base, model, num_domains, states, values, keys, mesh.devices.flat[0])
+    elif lanes == "vmap":
+        lanes = VmapLanes(base, model, num_domains, states, values, keys, mesh)
+    else:
+        raise ValueError(f"lanes={lanes!r}: expected one of {', '.join(LANES)}.")
+    _loop(base, members, lanes, mesh)
     for member in live:
         if member.failed is None:
             _finish(member, time.monotonic() - start_time, len(live))
@@ -346,29 +359,108 @@ def _active(members: list[Member], t: int) -> np.ndarray:
     ])
 
 
-def _loop(config, members: list[Member], step, states, values, keys, mesh):
+LANES = ("vmap", "loop")
+
+
+def default_lanes() -> str:
+    """"vmap" on accelerators; "loop" on the CPU, whose XLA backend runs the vmapped
+    convolutions (a kernel per run: grouped convolutions) 3-4x slower per run than a
+    run's own (docs/performance.md, "Packed runs")."""
+    return "loop" if jax.default_backend() == "cpu" else "vmap"
+
+
+class VmapLanes:
+    """The runs' train states stacked along a leading run axis (sharded over the
+    ``runs`` mesh axis), stepped together by :func:`packed_train_step`; the metrics'
+    sums since each run's last record stay stacked on the device."""
+
+    def __init__(self, config, model, num_domains, states, values, keys, mesh):
+        self.runs = NamedSharding(mesh, P(RUNS))
+        self.states, self.values, self.keys = jax.device_put((states, values, keys), self.runs)
+        self.step_fn = packed_train_step(config, model, num_domains)
+        self.sums = self.last_losses = None
+
+    def step(self, batches, active: np.ndarray) -> None:
+        active_device = jax.device_put(active, self.runs)
+        self.states, metrics = self.step_fn(
+            self.values, self.states, batches, self.keys, active_device
+        )
+        self.sums = train_lib.accumulate(self.sums, metrics, active_device)
+        self.last_losses = metrics["loss"]
+
+    def losses(self) -> np.ndarray:
+        return np.asarray(self.last_losses)
+
+    def lane(self, r: int):
+        return jax.tree.map(lambda x: x[r], self.states)
+
+    def set_lane(self, r: int, state) -> None:
+        self.states = jax.tree.map(lambda s, x: s.at[r].set(x), self.states, state)
+
+    def take_means(self, r: int) -> dict:
+        """Run ``r``'s metric means since its last record; starts its next sums."""
+        sums = jax.device_get(self.sums)
+        self.sums = jax.tree.map(lambda s: s.at[r].set(0), self.sums)
+        return {k: float(total[r]) / int(n[r]) for k, (total, n) in sums.items() if int(n[r])}
+
+
+class LoopLanes:
+    """Each run's train state on its own, stepped one run after the other by one
+    compiled step, :func:`run_step` (the values that vary are its arguments, so every
+    run of the pack uses the same program); only the active runs compute."""
+
+    def __init__(self, config, model, num_domains, states, values, keys, device):
+        runs = len(keys)
+        self.states = [jax.device_put(jax.tree.map(lambda x, r=r: x[r], states), device)
+                       for r in range(runs)]
+        self.values = [{k: v[r] for k, v in values.items()} for r in range(runs)]
+        self.keys = jax.device_put(list(keys), device)
+        self.step_fn = jax.jit(run_step(config, model, num_domains), donate_argnums=1)
+        self.sums, self.last_losses = [None] * runs, [np.nan] * runs
+
+    def step(self, batches, active: np.ndarray) -> None:
+        for r in np.flatnonzero(active):
+            batch = jax.tree.map(lambda x, r=r: x[r], batches)
+            self.states[r], metrics = self.step_fn(
+                self.values[r], self.states[r], batch, self.keys[r]
+            )
+            self.sums[r] = train_lib.accumulate(self.sums[r], metrics)
+            self.last_losses[r] = metrics["loss"]
+
+    def losses(self) -> np.ndarray:
+        return np.array([float(loss) for loss in self.last_losses])
+
+    def lane(self, r: int):
+        return self.states[r]
+
+    def set_lane(self, r: int, state) -> None:
+        self.states[r] = state
+
+    def take_means(self, r: int) -> dict:
+        sums, self.sums[r] = jax.device_get(self.sums[r]), None
+        return {k: float(total) / int(n) for k, (total, n) in (sums or {}).items() if int(n)}
+
+
+def _loop(config, members: list[Member], lanes, mesh):
     """Steps the pack from its earliest run's step to ``config.steps``; each run logs,
     evaluates, records and saves at its own evaluation steps (``train._training_loop``'s
     order: record, then checkpoint)."""
     first = min(m.start for m in members if m.live)
     batches = prefetch_to_mesh(_batches(members, first), mesh, axis=RUNS)
-    interval, sums = evaluation_interval(config), None
-    runs = NamedSharding(mesh, P(RUNS))
+    interval = evaluation_interval(config)
     progress = tqdm(total=config.steps, initial=first, unit="step", dynamic_ncols=True)
     try:
         for t in range(first, config.steps):
             active = _active(members, t)
             if not active.any():
                 break
-            active_device = jax.device_put(active, runs)
-            states, metrics = step(values, states, next(batches), keys, active_device)
-            sums = train_lib.accumulate(sums, metrics, active_device)
+            lanes.step(next(batches), active)
             progress.update(1)
             if t % config.log_every == 0:
-                _check_losses(members, np.asarray(metrics["loss"]), active, t)
+                _check_losses(members, lanes.losses(), active, t)
             if is_evaluation_step(t, config.steps, interval):
                 for r in np.flatnonzero(_active(members, t) & active):
-                    states, sums = _evaluate(members[r], r, states, sums, t)
+                    _evaluate(members[r], r, lanes, t)
     finally:
         batches.close()
         progress.close()
@@ -376,7 +468,7 @@ def _loop(config, members: list[Member], step, states, values, keys, mesh):
             if member.checkpoints is not None:
                 member.checkpoints.wait()
     for r, member in enumerate(members):
-        member.final = jax.tree.map(lambda x, r=r: x[r], states) if member.live else None
+        member.final = lanes.lane(r) if member.live else None
 
 
 def _check_losses(members, losses, active, t):
@@ -388,28 +480,24 @@ def _check_losses(members, losses, active, t):
             )
 
 
-def _evaluate(member: Member, r: int, states, sums, t: int):
-    """Run ``r``'s evaluation after step ``t``: its record (``train.evaluate_and_record``), SWAD's
-    segment, its checkpoint; returns the states and sums with its lane updated."""
+def _evaluate(member: Member, r: int, lanes, t: int) -> None:
+    """Run ``r``'s evaluation after step ``t``: its record
+    (``train.evaluate_and_record``), SWAD's segment, its checkpoint."""
     program = member.program
-    lane = jax.device_put(
-        jax.tree.map(lambda x: x[r], states), NamedSharding(program.mesh, P())
-    )
-    means = {k: float(total[r]) / int(n[r]) for k, (total, n) in sums.items() if int(n[r])}
+    lane = jax.device_put(lanes.lane(r), NamedSharding(program.mesh, P()))
+    means = lanes.take_means(r)
     try:
         record = train_lib.evaluate_and_record(
             member.config, program, member.rundir, member.checkpoints, lane, t, means
         )
     except FloatingPointError as error:
         member.failed = str(error)
-        return states, sums
+        return
     member.records.append(record)
     if member.swad is not None:
         lane = member.swad.after_evaluation(lane, record)
-        states = jax.tree.map(lambda s, x: s.at[r].set(x), states, lane)
+        lanes.set_lane(r, lane)
     member.checkpoints.save(t, lane, validation_accuracy(record, program.train_envs))
-    sums = jax.tree.map(lambda s: s.at[r].set(0), sums)
-    return states, sums
 
 
 def _finish(member: Member, wall_time: float, runs: int):
