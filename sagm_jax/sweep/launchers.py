@@ -235,11 +235,13 @@ def launch(
         else:
             todo.append(job)
     n_workers = len(gpus) if gpus else max(1, workers)
-    count = lambda items: sum(len(_jobs_of(item)) for item in items)  # noqa: E731
+    done_before = {id(job) for job in _all_jobs(jobs) if job.is_done()}
+    elsewhere = len(_all_jobs(result["elsewhere"]))
     packs = f" in {len(todo)} packs" if any(isinstance(i, Pack) for i in todo) else ""
     log(
-        f"{count(jobs)} jobs: {count(result['skipped'])} done, {count(result['elsewhere'])} "
-        f"running elsewhere, {count(todo)} to run{packs} ({n_workers} at a time)."
+        f"{len(_all_jobs(jobs))} jobs: {len(done_before)} done, {elsewhere} running "
+        f"elsewhere, {len(_all_jobs(todo)) - len(done_before & {id(j) for j in _all_jobs(todo)})}"
+        f" to run{packs} ({n_workers} at a time)."
     )
     progress = Progress(
         len(todo), n_workers, varying_keys(_all_jobs(jobs), exclude=SWEEP_KEYS), log
@@ -267,11 +269,17 @@ def launch(
     finished_elsewhere = [job for job in result["elsewhere"] if job.is_done()]
     result["skipped"] += finished_elsewhere
     result["elsewhere"] = [job for job in result["elsewhere"] if job not in finished_elsewhere]
-    return {
-        name: [(job, code) for item, code in items for job in _jobs_of(item)]
-        if name == "failed" else _all_jobs(items)
-        for name, items in result.items()
-    }
+    # Per job: a pack's jobs go where the pack went, but those done before it started.
+    jobs_result = {name: [] for name in result}
+    for name, items in result.items():
+        for item in items:
+            item, code = item if name == "failed" else (item, None)
+            for job in _jobs_of(item):
+                if id(job) in done_before:
+                    jobs_result["skipped"].append(job)
+                else:
+                    jobs_result[name].append((job, code) if name == "failed" else job)
+    return jobs_result
 
 
 def _jobs_of(item) -> list[Job]:
