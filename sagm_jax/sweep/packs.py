@@ -29,6 +29,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 from sagm_jax.sweep.jobs import DONE, INCOMPLETE, NOT_LAUNCHED, PACKS, RUNNING, Job, job_hash
 
@@ -152,6 +153,7 @@ def main(argv=None) -> int:
     parser.add_argument("pack", help="A pack's pack.json.")
     parser.add_argument("--train", required=True, help="Comma-separated lanes to train.")
     args = parser.parse_args(argv)
+    started = time.monotonic()
     from sagm_jax import cli, claims, cpu
 
     cpu.configure()
@@ -175,8 +177,11 @@ def main(argv=None) -> int:
             train.discard(lane)
         else:
             held.append(claim)
+    imported = time.monotonic()
     try:
         packed.train_pack(configs, workdirs, train=train)
+        print(f"pack process (s): {time.monotonic() - started:.2f} in all, "
+              f"{imported - started:.2f} importing and reading the configs")
     except KeyboardInterrupt:
         print("Stopped; every run keeps its last checkpoint. Relaunch the sweep to resume.",
               file=sys.stderr)

@@ -37,6 +37,8 @@ one device.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -241,6 +243,7 @@ def train_pack(configs: list, workdirs: list[str], train: set[int] | None = None
     when a run stopped on a non-finite loss (the others finish)."""
     trained = set(range(len(configs))) if train is None else set(train)
     start_time = time.monotonic()
+    PHASES.clear()
     problems = program_problems([c.to_dict() for c in configs])
     if problems:
         raise ValueError("These runs cannot be one pack: " + "; ".join(problems) + ".")
@@ -290,10 +293,13 @@ def train_pack(configs: list, workdirs: list[str], train: set[int] | None = None
         lanes = VmapLanes(base, model, num_domains, states, values, keys, mesh)
     else:
         raise ValueError(f"lanes={lanes!r}: expected one of {', '.join(LANES)}.")
+    PHASES["start-up"] += time.monotonic() - start_time
     _loop(base, members, lanes, mesh)
-    for member in live:
-        if member.failed is None:
-            _finish(member, time.monotonic() - start_time, len(live))
+    with timed("finish"):
+        for member in live:
+            if member.failed is None:
+                _finish(member, time.monotonic() - start_time, len(live))
+    print("pack phases (s): " + json.dumps({k: round(v, 2) for k, v in PHASES.items()}))
     failed = [m for m in members if m.failed]
     if failed:
         raise RuntimeError(
@@ -360,6 +366,17 @@ def _active(members: list[Member], t: int) -> np.ndarray:
 
 
 LANES = ("vmap", "loop")
+PHASES: collections.Counter = collections.Counter()  # seconds per part of train_pack
+
+
+@contextlib.contextmanager
+def timed(phase: str):
+    """Adds the block's wall time to ``PHASES[phase]`` (printed at the end of a pack)."""
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        PHASES[phase] += time.monotonic() - start
 
 
 def default_lanes() -> str:
@@ -454,7 +471,10 @@ def _loop(config, members: list[Member], lanes, mesh):
             active = _active(members, t)
             if not active.any():
                 break
-            lanes.step(next(batches), active)
+            with timed("first step (compiles)" if t == first else "steps"):
+                lanes.step(next(batches), active)
+                if t == first:
+                    jax.block_until_ready(lanes.lane(int(np.flatnonzero(active)[0])))
             progress.update(1)
             if t % config.log_every == 0:
                 _check_losses(members, lanes.losses(), active, t)
@@ -464,9 +484,10 @@ def _loop(config, members: list[Member], lanes, mesh):
     finally:
         batches.close()
         progress.close()
-        for member in members:
-            if member.checkpoints is not None:
-                member.checkpoints.wait()
+        with timed("checkpoints"):
+            for member in members:
+                if member.checkpoints is not None:
+                    member.checkpoints.wait()
     for r, member in enumerate(members):
         member.final = lanes.lane(r) if member.live else None
 
@@ -483,8 +504,20 @@ def _check_losses(members, losses, active, t):
 def _evaluate(member: Member, r: int, lanes, t: int) -> None:
     """Run ``r``'s evaluation after step ``t``: its record
     (``train.evaluate_and_record``), SWAD's segment, its checkpoint."""
+    with timed("steps"):  # the steps dispatched before it, until they finish
+        lane = jax.block_until_ready(lanes.lane(r))
+    with timed("evaluation and records"):
+        evaluated = _evaluate_lane(member, r, lanes, t, lane)
+    if evaluated is not None:
+        with timed("checkpoints"):
+            member.checkpoints.save(t, *evaluated)
+
+
+def _evaluate_lane(member: Member, r: int, lanes, t: int, lane):
+    """The record and SWAD's segment of run ``r`` after step ``t``; returns what its
+    checkpoint saves (the state, its validation accuracy), None when it failed."""
     program = member.program
-    lane = jax.device_put(lanes.lane(r), NamedSharding(program.mesh, P()))
+    lane = jax.device_put(lane, NamedSharding(program.mesh, P()))
     means = lanes.take_means(r)
     try:
         record = train_lib.evaluate_and_record(
@@ -492,12 +525,12 @@ def _evaluate(member: Member, r: int, lanes, t: int) -> None:
         )
     except FloatingPointError as error:
         member.failed = str(error)
-        return
+        return None
     member.records.append(record)
     if member.swad is not None:
         lane = member.swad.after_evaluation(lane, record)
         lanes.set_lane(r, lane)
-    member.checkpoints.save(t, lane, validation_accuracy(record, program.train_envs))
+    return lane, validation_accuracy(record, program.train_envs)
 
 
 def _finish(member: Member, wall_time: float, runs: int):
