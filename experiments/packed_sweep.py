@@ -73,7 +73,8 @@ def compare(alone: str, packed: str) -> str:
     for name in sorted(os.listdir(alone)):
         if not os.path.exists(os.path.join(alone, name, "results.jsonl")):
             continue
-        got, want = read_records(os.path.join(packed, name)), read_records(os.path.join(alone, name))
+        got = read_records(os.path.join(packed, name))
+        want = read_records(os.path.join(alone, name))
         runs += 1
         same = True
         for g, w in zip(got, want, strict=True):
@@ -142,8 +143,8 @@ def main():
     print(f"\nPacked / unpacked runs per hour: {t_alone / t_packed:.2f}x\n")
     print("Grouping:\n" + "\n".join(line for line in out.splitlines() if line.startswith("  ")))
     phases, total, imports = pack_phases(packed)
-    print(f"\nThe packs' processes, summed over the {len(os.listdir(os.path.join(packed, 'packs')))}"
-          f" packs ({total:.0f} s):\n\n| part | s | share |\n|---|---|---|")
+    n_packs = len(os.listdir(os.path.join(packed, "packs")))
+    print(f"\nThe packs' processes, summed over the {n_packs} packs ({total:.0f} s):\n\n| part | s | share |\n|---|---|---|")
     parts = {"Python, imports, configs": imports, **phases}
     parts["other (summaries, exit)"] = total - sum(parts.values())
     for key, value in parts.items():

@@ -4,35 +4,46 @@ Runs share a program when their configs differ only in per-run values
 (:func:`program_problems`): the seeds and split (``seed``, ``trial_seed``,
 ``hparams_seed``), the held-out environments (``test_envs``; their number is the
 program's) and every numeric hyperparameter of the "method" and "optimizer" sections
-(lr, weight decay, rho, alpha, each method's own) except the few that shape the program
-(:data:`PROGRAM_HYPERPARAMETERS`). A pack of R such runs keeps their train states stacked
-along a leading run axis and takes one step for all of them::
+and the network's dropout (lr, weight decay, rho, alpha, each method's own), except the
+few that shape the program (:data:`PROGRAM_HYPERPARAMETERS`). Each run's step is the one
+definition of a step, ``train_step.run_train_step``, with the run's own values of the
+keys that vary in the pack as traced scalars (:class:`RunConfig`; the optimizer is built
+from them inside the traced function, :func:`run_step`)::
 
-    states[r] <- step_r(states[r], batches[r], keys[r])   if active[r]   else states[r]
+    states[r] <- step(values[r], states[r], batches[r], keys[r])   for each active run r
 
-``step_r`` is the run's own step, ``train_step.run_train_step`` (the one definition of a
-step), ``jax.vmap``-ped over the runs with each run's config holding its own values of the
-keys that vary in the pack as traced scalars (:class:`RunConfig`); the optimizer is built
-inside the vmapped function from those values. Each run draws its batches from its own
-split with its own seed, and its PRNG keys from its own seed, exactly as alone.
+Two ways to step the lanes, the same numbers up to the summation order:
 
-Everything else is per run, on the host, as ``sagm_jax.training.train`` does it for one
-run: the run directory (``config.json``, ``split.json``, ``results.jsonl``, ``done``), its
-orbax checkpoints (latest and best, of the run's own unstacked state, so ``load_run``,
-``collect_results`` and a relaunch of the run alone read them as any run's), its
-evaluations (one compiled evaluation step shared by the pack), SWAD's loss valley and
-``swad.jsonl``. A run that stops (the end of its SWAD valley) or is done stays in the pack
-inactive: its lane is computed and discarded, so the other runs' lanes see the same
-program whatever happens to it.
+* :class:`VmapLanes` ("vmap", the accelerators' default): the states stacked along a
+  leading run axis, one ``jax.vmap``-ped step (:func:`packed_train_step`); a run that is
+  not active is computed and discarded, so every run sees the same program whatever
+  happens to the others. With several devices the run axis is sharded over a ``runs``
+  mesh axis when R divides among them (each device steps whole runs).
+* :class:`LoopLanes` ("loop", the CPU's default): each run's state stepped in turn by
+  one compiled :func:`run_step` (the varying values are its arguments, so all runs
+  share it). XLA's CPU backend runs vmapped convolutions, whose kernels differ per run,
+  3-4x slower per run than a run's own, and a CPU step is compute-bound anyway; here
+  a pack saves each run's start-up and compilation and records exactly what the run
+  records alone.
+
+Each run draws its batches from its own split with its own seed, and its PRNG keys from
+its own seed, exactly as alone. Everything else is per run, on the host, as
+``sagm_jax.training.train`` does it for one run: the run directory (``config.json``,
+``split.json``, ``results.jsonl``, ``done``), its orbax checkpoints (latest and best, of
+the run's own unstacked state, so ``load_run``, ``collect_results`` and a relaunch of the
+run alone read them as any run's), its evaluations (one compiled evaluation step per way
+of predicting, shared by the pack), SWAD's loss valley and ``swad.jsonl``. A run that
+stops (the end of its SWAD valley), is done, or is not this process's to train
+(``train_pack``'s ``train``) stays in the pack inactive.
 
 Resume: each run restores its own latest checkpoint. A pack killed between two runs'
 saves resumes with its runs at different steps; the pack then steps from the earliest,
 each run active from its own step on, so every run repeats exactly what it lost, in the
 same program (same R, same lanes) as the uninterrupted pack: bit for bit.
 
-Several devices: the run axis is sharded over a ``runs`` mesh axis when R divides among
-the devices (each device steps whole runs; nothing crosses devices), else the pack runs on
-one device.
+``train_pack`` prints the wall time of its parts (``pack phases (s): {...}``: start-up,
+the first step with its compilation, the steps, evaluation and records, checkpoints),
+which ``experiments/packed_sweep.py`` reads.
 """
 
 from __future__ import annotations
@@ -47,7 +58,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -238,9 +248,10 @@ def train_pack(configs: list, workdirs: list[str], train: set[int] | None = None
     each run's records. ``train``: the lanes to train (default all); the others, like
     the runs found done, only hold their place in the program and their directories
     are not touched. ``lanes``: "vmap" (:class:`VmapLanes`) or "loop"
-    (:class:`LoopLanes`); default :func:`default_lanes`. Raises ``ValueError`` naming what differs when the runs cannot
-    share a program (before any directory is written), and ``RuntimeError`` at the end
-    when a run stopped on a non-finite loss (the others finish)."""
+    (:class:`LoopLanes`); default :func:`default_lanes`. Raises ``ValueError`` naming
+    what differs when the runs cannot share a program (before any directory is written),
+    and ``RuntimeError`` at the end when a run stopped on a non-finite loss (the others
+    finish)."""
     trained = set(range(len(configs))) if train is None else set(train)
     start_time = time.monotonic()
     PHASES.clear()

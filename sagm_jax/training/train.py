@@ -355,7 +355,9 @@ def accumulate(sums, metrics, counted=True):
     return step if sums is None else jax.tree.map(jnp.add, sums, step)
 
 
-def evaluate_and_record(config, program: Program, rundir: RunDir, checkpoints, state, t, means) -> dict:
+def evaluate_and_record(
+    config, program: Program, rundir: RunDir, checkpoints, state, t, means
+) -> dict:
     """Evaluates ``state`` after step ``t`` and appends its record (before the
     checkpoint: see the module docstring); ``means`` are the step metrics' means."""
     mean_loss = _finite_loss(means.pop("loss"), t, checkpoints, rundir)
