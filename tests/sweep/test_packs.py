@@ -83,3 +83,35 @@ def test_a_packed_sweep_gives_the_unpacked_sweeps_results(tmp_path, capsys):
     assert NUMBER.sub("#", got) == NUMBER.sub("#", want)  # the same tables, rows and columns
     for g, w in zip(NUMBER.findall(got), NUMBER.findall(want), strict=True):
         assert abs(float(g) - float(w)) <= 3.4, (g, w)  # two of 59 predictions, in %
+
+
+class _Executor:
+    """Stands in for a submitit executor: keeps what is submitted."""
+
+    def __init__(self):
+        self.tasks = []
+
+    def batch(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def submit(self, task):
+        self.tasks.append(task)
+        return type("Submitted", (), {"job_id": str(len(self.tasks))})()
+
+
+def test_slurm_submits_one_array_task_per_pack(tmp_path):
+    """With packs, each array task is a pack: its jobs' arguments in lane order, its
+    command made once it has claimed them."""
+    from sagm_jax.sweep import launchers
+
+    jobs = make_jobs(["RotatedDigits"], ["erm", "sagm"], ["0", "1", "2"], [0], {}, {},
+                     str(tmp_path))
+    items = packs.make_packs(jobs, str(tmp_path), 3)
+    executor = _Executor()
+    launchers.submit(items, str(tmp_path), executor, log=lambda _: None)
+    assert [len(task.args) for task in executor.tasks] == [3, 3]
+    assert [args["algorithm"] for args in executor.tasks[0].args] == ["erm"] * 3
+    assert executor.tasks[0].args == [job.args for job in items[0].jobs]
+    assert all(task.command is None for task in executor.tasks)
