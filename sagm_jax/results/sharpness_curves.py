@@ -3,17 +3,17 @@
     python -m sagm_jax.sharpness_curves --input_dir sweeps/rotated_digits \
         --output_dir docs/data/study [--rhos 0,0.01,0.02,0.05,0.1,0.2] [--checkpoint latest]
 
-For every finished run under ``input_dir`` (``rundir.find_runs``: ``done`` and ``config.json``),
-the run's parameters are restored (``sagm_jax.load_run``: latest, best, or a SWAD run's
-averaged model) and
-``sagm_jax.sharpness`` measures, on its TARGET domain ``D`` (every example of the
+For every finished run under ``input_dir`` (``rundir.find_runs``: ``done`` and ``config.json``)
+and every checkpoint named (``--checkpoint latest,swad``: one curve each), the run's
+parameters are restored (``sagm_jax.load_run``: latest, best, or a SWAD run's averaged
+model) and ``sagm_jax.sharpness`` measures, on its TARGET domain ``D`` (every example of the
 run's test environment, "in" and "out" splits together, no augmentation, eval mode)::
 
     h_rho = L_D(w + rho * g / ||g||) - L_D(w),    g = grad L_D(w)
 
-Writes ``sharpness.json`` (one entry per run) and ``sharpness.png``: one panel per
-target domain, one curve per method (the tables' row name; mean over trial seeds, bars =
-s.e.).
+Writes ``sharpness.json`` (one entry per run, target domain and checkpoint) and ``sharpness.png``: one panel per
+target domain, one curve per method (the tables' row name, "+ SWAD" for a SWAD model,
+"(best)" for the selected checkpoint; mean over trial seeds, bars = s.e.).
 """
 
 from __future__ import annotations
@@ -134,6 +134,7 @@ def plot(entries: list[dict], path: str) -> None:
                 label = e.get("method") or (
                     e["algorithm"].upper() + (" + MixStyle" if e["mixstyle"] else "")
                 )
+                label += " (best)" if e.get("checkpoint") == "best" else ""
                 curves[label].append(e)
         for label in sorted(curves):
             rho = curves[label][0]["rho"]
@@ -171,9 +172,8 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--checkpoint",
         default="latest",
-        choices=("latest", "best", "swad"),
-        help="which model of each run: latest, best (training-domain validation), or swad "
-        "(a SWAD run's averaged model)",
+        help="which models of each run, comma-separated: latest, best (training-domain "
+        "validation), swad (a SWAD run's averaged model); latest,swad draws both",
     )
     args = parser.parse_args(argv)
     quiet_tensorflow_import()  # its start-up notes, printed twice, are noise here
@@ -181,14 +181,19 @@ def main(argv=None) -> int:
         rhos = [float(r) for r in args.rhos.split(",")]
     except ValueError:
         parser.error(f"--rhos {args.rhos!r}: expected comma-separated numbers.")
+    checkpoints = args.checkpoint.split(",")
+    if not set(checkpoints) <= {"latest", "best", "swad"}:
+        parser.error(f"--checkpoint {args.checkpoint!r}: expected latest, best or swad, "
+                     "comma-separated.")
     entries = []
     for workdir in finished_runs(args.input_dir):
-        new_entries = run_sharpness(workdir, rhos, args.checkpoint)
+        new_entries = [e for c in checkpoints for e in run_sharpness(workdir, rhos, c)]
         entries += new_entries
         for e in new_entries:
             curve = ", ".join(f"rho={r:g}: {h:.4g}" for r, h in zip(e["rho"], e["sharpness"]))
             print(
-                f"{workdir}: {e['algorithm']}, target env {e['test_env']} ({e['env_name']}), "
+                f"{workdir} ({e['checkpoint']}): {e['algorithm']}, target env {e['test_env']} "
+                f"({e['env_name']}), "
                 f"h_rho = L(w + rho g/|g|) - L(w): {curve}"
             )
     os.makedirs(args.output_dir, exist_ok=True)

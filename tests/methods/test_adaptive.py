@@ -154,22 +154,21 @@ def test_arm_two_adam_steps(context, wd):
         stats = f64(variables["batch_stats"]["method"]["context"])
         trained = {"net": net, "context": weights}
         adam = adam_init(trained if context == "trained" else net)
+
+        def loss(q, stats, x, y):
+            logits, new = ref_arm(q["net"], q["context"], stats, x, B, train=True)
+            return ref_ce(logits, y).mean(), new
+
+        # Compiled once for both steps; untrained, the gradient of the network's alone.
+        grad_fn = jax.jit(jax.value_and_grad(loss, has_aux=True))
         for t in range(2):
             data = batch(M * B, seed=t)
             x, y = jnp.asarray(data["image"], jnp.float64), jnp.asarray(data["label"])
-
-            def loss(p, w):
-                logits, new = ref_arm(p, w, stats, x, B, train=True)
-                return ref_ce(logits, y).mean(), new
-
+            (value, new_stats), g = grad_fn(trained, stats, x, y)
             if context == "trained":
-                (value, new_stats), g = jax.jit(jax.value_and_grad(
-                    lambda q: loss(q["net"], q["context"]), has_aux=True))(trained)
                 trained, adam = torch_adam(trained, g, adam, LR, wd)
             else:
-                (value, new_stats), g = jax.jit(jax.value_and_grad(
-                    lambda p: loss(p, trained["context"]), has_aux=True))(trained["net"])
-                net, adam = torch_adam(trained["net"], g, adam, LR, wd)
+                net, adam = torch_adam(trained["net"], g["net"], adam, LR, wd)
                 trained = {"net": net, "context": trained["context"]}
             stats = new_stats
             np.testing.assert_allclose(float(metrics[t]["loss"]), float(value), **TOL)

@@ -5,6 +5,7 @@ prepared its own (``preprocess``)."""
 import os
 import re
 
+import jax
 import numpy as np
 import pytest
 from PIL import Image
@@ -35,10 +36,11 @@ def test_load_run_gives_the_selected_checkpoint_and_its_recorded_accuracy(tmp_pa
     assert loading.load_run(str(tmp_path), "latest")[2]["step"] == 6
     dataset = data_lib.load("RotatedDigits", None, trial_seed=0, data_seed=0)
     assert "env1_in_acc" not in record  # eval_splits="fast": a training env's 'in'
+    apply = jax.jit(lambda v, x: model.apply(v, x, train=False))  # eagerly: op by op, seconds
     for env, part in ((0, "in"), (0, "out"), (1, "out")):
         k = dataset.splits[env][part]
         images = dataset.source.images[env][k]
-        logits = model.apply(variables, np.asarray(images, np.float32), train=False)
+        logits = apply(variables, np.asarray(images, np.float32))
         correct = int(np.sum(np.asarray(np.argmax(logits, -1)) == dataset.source.labels[env][k]))
         assert correct / len(k) == record[f"env{env}_{part}_acc"]
     # docs/training.md's inference example, on this run.
