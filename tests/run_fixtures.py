@@ -70,6 +70,9 @@ def assert_the_evaluation_reproduces_the_record(workdir, which):
     from sagm_jax.training.rundir import read_config
 
     model, variables, record = loading.load_run(str(workdir), which)
+    # On one device: on the eight the variables are restored to (replicated), each device
+    # ran every batch whole.
+    variables = jax.device_get(variables)
     config = read_config(str(workdir))
     dataset = data_lib.load("RotatedDigits", None, trial_seed=0, data_seed=0)
     evaluate = evaluation.make_eval_step(model, jnp.float32, config["seed"],

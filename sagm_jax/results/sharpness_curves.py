@@ -11,9 +11,10 @@ run's test environment, "in" and "out" splits together, no augmentation, eval mo
 
     h_rho = L_D(w + rho * g / ||g||) - L_D(w),    g = grad L_D(w)
 
-Writes ``sharpness.json`` (one entry per run, target domain and checkpoint) and ``sharpness.png``: one panel per
-target domain, one curve per method (the tables' row name, "+ SWAD" for a SWAD model,
-"(best)" for the selected checkpoint; mean over trial seeds, bars = s.e.).
+Writes ``sharpness.json`` (one entry per run, target domain and checkpoint) and
+``sharpness.png``: one panel per target domain, one curve per method (the tables' row
+name, "+ SWAD" for a SWAD model, "(best)" for the selected checkpoint; mean over trial
+seeds, bars = s.e.).
 """
 
 from __future__ import annotations

@@ -96,3 +96,11 @@ def test_only_finished_runs_are_measured(tmp_path):
         sharpness_curves.finished_runs(str(tmp_path / "running"))
     with pytest.raises(FileNotFoundError, match="not a directory"):
         sharpness_curves.finished_runs(str(tmp_path / "nowhere"))
+
+
+def test_an_unknown_checkpoint_is_a_usage_error(tmp_path, capsys):
+    argv = ["--input_dir", str(tmp_path), "--output_dir", str(tmp_path), "--checkpoint"]
+    with pytest.raises(SystemExit) as exit_:
+        sharpness_curves.main([*argv, "latest,last"])
+    assert exit_.value.code == 2
+    assert "--checkpoint 'latest,last': expected latest, best or swad" in capsys.readouterr().err

@@ -36,7 +36,10 @@ def test_load_run_gives_the_selected_checkpoint_and_its_recorded_accuracy(tmp_pa
     assert loading.load_run(str(tmp_path), "latest")[2]["step"] == 6
     dataset = data_lib.load("RotatedDigits", None, trial_seed=0, data_seed=0)
     assert "env1_in_acc" not in record  # eval_splits="fast": a training env's 'in'
-    apply = jax.jit(lambda v, x: model.apply(v, x, train=False))  # eagerly: op by op, seconds
+    # Compiled, and on one device: eagerly, op by op, on the eight devices the variables
+    # are restored to (replicated: each ran the whole part), the three parts took seconds.
+    apply = jax.jit(lambda v, x: model.apply(v, x, train=False))
+    variables = jax.device_get(variables)
     for env, part in ((0, "in"), (0, "out"), (1, "out")):
         k = dataset.splits[env][part]
         images = dataset.source.images[env][k]
