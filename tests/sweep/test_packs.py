@@ -52,27 +52,27 @@ NUMBER = re.compile(r"\d+\.\d")
 
 
 def test_a_packed_sweep_gives_the_unpacked_sweeps_results(tmp_path, capsys):
-    """ERM and SAGM on two test environments, launched one process per job and with
-    ``--pack 2``, one job of the packed sweep found done (copied from the other sweep):
-    the pack trains only its other run, every job's records agree
+    """SAGM on three test environments, launched one process per job and with
+    ``--pack 3``, one job of the packed sweep found done (copied from the other sweep):
+    the pack trains only its other two runs, every job's records agree
     (``assert_records_agree``) and the result tables agree to their last digit but for
     two predictions (the same tables, measured on the 2-core CPU)."""
     grid = [
-        "launch", "--datasets", "RotatedDigits", "--algorithms", "erm", "sagm",
-        "--test_envs", "0", "1", "--trial_seeds", "0",
+        "launch", "--datasets", "RotatedDigits", "--algorithms", "sagm",
+        "--test_envs", "0", "1", "2", "--trial_seeds", "0",
         "--set", "steps=5", "--set", "eval_every=2",
     ]
     alone, packed = tmp_path / "alone", tmp_path / "packed"
     assert sweep_main([*grid, "--output_dir", str(alone), "--jobs", "2"]) == 0
-    jobs = make_jobs(["RotatedDigits"], ["erm", "sagm"], ["0", "1"], [0], {},
+    jobs = make_jobs(["RotatedDigits"], ["sagm"], ["0", "1", "2"], [0], {},
                      {"steps": 5, "eval_every": 2}, str(alone))
     done_first = jobs[0]
     shutil.copytree(done_first.directory, packed / os.path.basename(done_first.directory))
     before = os.stat(packed / os.path.basename(done_first.directory) / "results.jsonl")
     capsys.readouterr()
-    assert sweep_main([*grid, "--output_dir", str(packed), "--jobs", "2", "--pack", "2"]) == 0
+    assert sweep_main([*grid, "--output_dir", str(packed), "--jobs", "2", "--pack", "3"]) == 0
     out = capsys.readouterr().out
-    assert "4 jobs: 1 done" in out and "in 2 packs" in out
+    assert "3 jobs: 1 done" in out and "in 1 pack" in out
     after = os.stat(packed / os.path.basename(done_first.directory) / "results.jsonl")
     assert after.st_mtime_ns == before.st_mtime_ns  # the done lane was not touched
     for job in jobs:
