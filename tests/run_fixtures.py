@@ -10,6 +10,8 @@ from sagm_jax.config import base_config, mnist_config
 
 
 def digits_config(**overrides):
+    """A RotatedDigits run on one device: the tests of sharding ask for ``num_devices=0``
+    (all eight fake devices), which compiles and steps slower on the CPU."""
     config = mnist_config("RotatedDigits")
     config.update(
         dict(
@@ -19,6 +21,7 @@ def digits_config(**overrides):
             log_every=1,
             eval_batch_size=64,
             cnn_widths=(16, 32, 32, 32),
+            num_devices=1,
         )
     )
     config.update(overrides)

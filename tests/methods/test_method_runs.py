@@ -58,7 +58,8 @@ def test_every_method_trains_end_to_end(tmp_path, method):
 )
 def test_a_method_on_eight_devices_is_the_one_device_run(tmp_path, method):
     config = dict(SHORT, steps=2, eval_every=1, **method)
-    eight = train.train_and_evaluate(digits_config(**config), str(tmp_path / "eight"))
+    eight = train.train_and_evaluate(digits_config(num_devices=0, **config),
+                                     str(tmp_path / "eight"))
     one = train.train_and_evaluate(digits_config(num_devices=1, **config), str(tmp_path / "one"))
     for a, b in zip(one, eight):
         for key in ("loss", "penalty"):
@@ -115,7 +116,7 @@ def _stop_before(step_to_stop, monkeypatch):
 def test_a_stateful_method_resumes_exactly(tmp_path, monkeypatch, method):
     # One device: the state's checkpoint and restore do not depend on the devices
     # (test_a_method_on_eight_devices_is_the_one_device_run shards the methods).
-    config = digits_config(**{"steps": 5, "eval_every": 2, "num_devices": 1, **method})
+    config = digits_config(**{"steps": 5, "eval_every": 2, **method})
     whole = train.train_and_evaluate(config, str(tmp_path / "whole"))  # records 0, 2, 4, ...
     with monkeypatch.context() as patch:
         _stop_before(3, patch)  # after the checkpoint of step 2

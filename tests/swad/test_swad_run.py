@@ -43,7 +43,7 @@ def test_the_swad_model_is_the_mean_of_the_steps_over_the_valleys_segments(tmp_p
     trajectory = []
     _record_params(monkeypatch, trajectory)
     config = digits_config(
-        steps=13, swad_tolerance_ratio=100.0, **SWAD
+        steps=13, swad_tolerance_ratio=100.0, num_devices=0, **SWAD
     )
     records = train.train_and_evaluate(config, str(tmp_path))
     steps = [r["step"] for r in records]

@@ -34,7 +34,8 @@ def restore_params(workdir, which="latest"):
 
 @pytest.mark.slow
 def test_rotated_digits_end_to_end(tmp_path):
-    records = train.train_and_evaluate(digits_config(), str(tmp_path))
+    # On the eight fake devices: the batch and the evaluation sharded.
+    records = train.train_and_evaluate(digits_config(num_devices=0), str(tmp_path))
     assert [r["step"] for r in records] == [0, 2, 4]
     on_disk = train.read_records(str(tmp_path))
     assert [r["step"] for r in on_disk] == [0, 2, 4]
@@ -54,7 +55,7 @@ def test_rotated_digits_end_to_end(tmp_path):
     best = loading.load_run(str(tmp_path), "best")[2]["step"]
     assert sorted(map(int, os.listdir(tmp_path / "checkpoints"))) == sorted({best, 4})
     # A finished run is not trained again.
-    again = train.train_and_evaluate(digits_config(), str(tmp_path))
+    again = train.train_and_evaluate(digits_config(num_devices=0), str(tmp_path))
     assert [r["step"] for r in again] == [0, 2, 4]
     assert len(train.read_records(str(tmp_path))) == 3
 
@@ -102,11 +103,11 @@ def test_all_test_envs_runs_each_environment(tmp_path, capsys):
 @pytest.mark.slow
 def test_per_device_perturbation_runs_and_differs_from_global(tmp_path):
     per_device = train.train_and_evaluate(
-        digits_config(steps=2, eval_every=1, perturbation="per_device"),
+        digits_config(steps=2, eval_every=1, perturbation="per_device", num_devices=0),
         str(tmp_path / "per_device"),
     )
     global_ = train.train_and_evaluate(
-        digits_config(steps=2, eval_every=1), str(tmp_path / "global")
+        digits_config(steps=2, eval_every=1, num_devices=0), str(tmp_path / "global")
     )
     assert per_device[0]["loss"] == pytest.approx(global_[0]["loss"], rel=1e-5)  # same clean pass
     gap = max(
@@ -250,10 +251,12 @@ def test_a_relaunch_that_changes_eval_splits_is_refused(tmp_path, capsys):
 @pytest.mark.slow
 def test_batch_that_does_not_divide_among_devices_is_named(tmp_path):
     with pytest.raises(ValueError, match="config.batch_per_env.*= 15 does not divide among 8"):
-        train.train_and_evaluate(digits_config(batch_per_env=3), str(tmp_path / "run"))
+        train.train_and_evaluate(digits_config(batch_per_env=3, num_devices=0),
+                                 str(tmp_path / "run"))
     # Nothing was written, so following the error's advice in the same workdir works.
     assert not os.path.exists(tmp_path / "run")
-    records = train.train_and_evaluate(digits_config(steps=1), str(tmp_path / "run"))
+    records = train.train_and_evaluate(digits_config(steps=1, num_devices=0),
+                                       str(tmp_path / "run"))
     assert [r["step"] for r in records] == [0]
 
 
