@@ -23,7 +23,6 @@ def test_sharpness_curves_of_a_finished_run(tmp_path):
     run's last and averaged models, both in one call (``--checkpoint latest,swad``)."""
     config = digits_config(
         steps=3, cnn_widths=(8, 16, 16, 16), test_envs=(2,), swad=True, swad_eval_every=1,
-        num_devices=1,
     )
     run_dir = tmp_path / "sweep" / "run0"
     train.train_and_evaluate(config, str(run_dir))

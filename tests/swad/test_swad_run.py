@@ -87,9 +87,9 @@ def test_the_valleys_end_stops_the_run_and_says_so(tmp_path, monkeypatch, capsys
     )
     valley = swad.select_segments(losses, n_converge=2, n_tolerance=3, tolerance_ratio=0.0)
     expected_dead_step = 2 * valley[1]
-    # One device: the valley and the stop are decided on the host (the averages on eight
-    # devices: the test above).
-    config = digits_config(steps=25, swad_tolerance_ratio=0.0, num_devices=1, **SWAD)
+    # On digits_config's one device: the valley and the stop are decided on the host (the
+    # averages on eight devices: the test above).
+    config = digits_config(steps=25, swad_tolerance_ratio=0.0, **SWAD)
     records = train.train_and_evaluate(config, str(tmp_path / "stopped"))
     record = rundir.read_swad_record(str(tmp_path / "stopped"))
     assert records[-1]["step"] == record["swad"]["dead_at_step"] == expected_dead_step < 24
@@ -114,11 +114,11 @@ def test_trainable_batchnorm_statistics_are_recomputed_for_the_averaged_weights(
     from the first convolution (the digits need no augmentation)."""
     from sagm_jax import data as data_lib
 
-    # One device: the statistics are those of the global batch on any number (the
-    # sharded ResNet only compiles slower on fake devices).
+    # On digits_config's one device: the statistics are those of the global batch on any
+    # number (the sharded ResNet only compiles slower on fake devices).
     config = digits_config(
         arch="resnet18", pretrained_weights="none", freeze_batchnorm=False, algorithm="erm",
-        steps=2, swad_batchnorm_batches=2, num_devices=1, **dict(SWAD, swad_eval_every=1),
+        steps=2, swad_batchnorm_batches=2, **dict(SWAD, swad_eval_every=1),
     )
     train.train_and_evaluate(config, str(tmp_path))
     _, variables, _ = loading.load_run(str(tmp_path), which="swad")

@@ -199,7 +199,7 @@ def _params(workdir, step):
 def test_a_pack_of_one_is_the_run_trained_alone(tmp_path):
     """R = 1: the same records, accuracies and losses, bit for bit, and the same final
     parameters in the checkpoint."""
-    (config,) = _configs([dict(algorithm="sagm", num_devices=1)])
+    (config,) = _configs([dict(algorithm="sagm")])
     train.train_one_run(config, str(tmp_path / "alone"))
     packed.train_pack([config], [str(tmp_path / "packed")])
     assert _records(tmp_path / "packed") == _records(tmp_path / "alone")
