@@ -25,7 +25,8 @@ selection needs the pairs), or explicit sets such as ``0 1 0,1``. ``--set`` and
 are relative to it).
 
 The launchers (``sagm_jax.sweep.launchers``): ``--launcher local`` (default) runs
-``--jobs N`` at a time, or one per GPU with ``--gpus 0,1,...``; ``--launcher slurm``
+``--jobs N`` at a time, or one per GPU with ``--gpus 0,1,...`` (a ``--jobs`` beside it
+that is not the number of GPUs is refused); ``--launcher slurm``
 submits one SLURM array task per job through submitit (``--partition``,
 ``--gpus_per_job``, ``--time_min``, ...), requeued on preemption or at the time limit;
 ``--launcher submitit_local`` is the same path on this machine (submitit's local
@@ -171,8 +172,12 @@ def _launcher_arguments(parser: argparse.ArgumentParser) -> None:
         "continuous hyperparameters). 1: one process per job.",
     )
     local = parser.add_argument_group("--launcher local")
-    local.add_argument("--jobs", type=int, default=1, help="Jobs at a time (without --gpus).")
-    local.add_argument("--gpus", help="Comma-separated GPU ids: one worker per GPU.")
+    local.add_argument(
+        "--jobs", type=int, help="Jobs at a time (default 1); with --gpus, one per GPU."
+    )
+    local.add_argument(
+        "--gpus", help="Comma-separated GPU ids: one job per GPU at a time (no --jobs)."
+    )
     cluster = parser.add_argument_group("--launcher slurm / submitit_local")
     cluster.add_argument("--partition", help="SLURM partition.")
     cluster.add_argument("--account", help="SLURM account.")
@@ -288,10 +293,33 @@ def submit(args, jobs) -> int:
     return 0
 
 
+def local_workers(args) -> tuple[int, list[str] | None]:
+    """``(--jobs, the --gpus ids)`` of ``--launcher local``; ``ValueError`` on ids that
+    are empty or repeated, ``--jobs`` below 1, or ``--jobs`` beside ``--gpus`` that is not
+    their number: each GPU runs one job at a time (a second JAX process on one GPU finds
+    most of its memory taken), so ``--gpus 0,1 --jobs 3`` cannot run 3 at a time."""
+    if args.jobs is not None and args.jobs < 1:
+        raise ValueError(f"--jobs {args.jobs}: expected a number of jobs at a time >= 1.")
+    if args.gpus is None:
+        return args.jobs or 1, None
+    gpus = [g.strip() for g in args.gpus.split(",")]
+    if "" in gpus or len(set(gpus)) != len(gpus):
+        raise ValueError(
+            f"--gpus {args.gpus}: expected distinct comma-separated GPU ids such as 0,1."
+        )
+    if args.jobs is not None and args.jobs != len(gpus):
+        raise ValueError(
+            f"--jobs {args.jobs} with --gpus {args.gpus}: --gpus runs one job per GPU, "
+            f"{len(gpus)} at a time; drop --jobs (or give {args.jobs} GPU ids). Two jobs "
+            "on one GPU would each find most of its memory taken."
+        )
+    return len(gpus), gpus
+
+
 def launch_here(args, jobs) -> int:
     """``--launcher local``: the jobs as processes of this machine."""
-    gpus = args.gpus.split(",") if args.gpus else None
-    result = launchers.launch(jobs, workers=args.jobs, gpus=gpus)
+    workers, gpus = local_workers(args)
+    result = launchers.launch(jobs, workers=workers, gpus=gpus)
     print(
         f"Summary: {len(result['finished'])} finished, {len(result['skipped'])} skipped "
         f"(done), {len(result['elsewhere'])} running elsewhere, {len(result['stopped'])} "
@@ -308,6 +336,8 @@ def launch_here(args, jobs) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        if args.command == "launch" and args.launcher == "local":
+            local_workers(args)
         jobs = make_jobs(args)
     except ValueError as error:
         print(f"sweep: {error}", file=sys.stderr)

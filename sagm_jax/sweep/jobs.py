@@ -28,16 +28,12 @@ import sys
 from sagm_jax import claims, methods
 from sagm_jax.sweep import hparams
 from sagm_jax.training import rundir
-from sagm_jax.data import registry
+from sagm_jax.data import registry, splits
 from sagm_jax.formatting import flag_value
 
-# The datasets a sweep can run: those of the registry with a config file and a known
-# number of environments (an ImageFolder's depends on its data_dir).
-CONFIG_FILES = {
-    name: spec.config_file
-    for name, spec in registry.DATASETS.items()
-    if spec.config_file and spec.domains
-}
+# The datasets a sweep can run: those of the registry with a config file. An
+# ImageFolder's environments are the domain folders of its data_dir (``--set data_dir``).
+CONFIG_FILES = dict(registry.CONFIG_FILES)
 DATASET_OF = {path: name for name, path in CONFIG_FILES.items()}
 
 # The --hparams presets (:func:`preset_grid`), each per dataset. "paper" keeps each
@@ -78,8 +74,28 @@ OUT, ERR = "out.txt", "err.txt"
 PACKS = "packs"  # <output_dir>/packs/<id>/: the packs' files (sagm_jax.sweep.packs)
 
 
-def num_environments(dataset: str) -> int:
-    return len(registry.get_spec(dataset).domains)
+def num_environments(dataset: str, fixed: dict | None = None) -> int:
+    """The environments of ``dataset``: its published domains, or for a dataset without
+    them (ImageFolder) the domain folders of ``--set data_dir`` (``fixed["data_dir"]``)."""
+    spec = registry.get_spec(dataset)
+    if spec.domains:
+        return len(spec.domains)
+    data_dir = (fixed or {}).get("data_dir")
+    if not isinstance(data_dir, str) or not data_dir:
+        raise ValueError(
+            f"--datasets {dataset} needs --set data_dir=DIR: the folder whose sub-folders "
+            "are the domains (DIR/<domain>/<class>/<image>); its domains are the sweep's "
+            "environments."
+        )
+    root = registry.dataset_root(spec, data_dir)
+    domains = splits.list_domains(root) if os.path.isdir(root) else []
+    if len(domains) < 2:
+        raise ValueError(
+            f"--set data_dir={data_dir}: expected a folder of at least two domain folders "
+            f"({spec.missing_help(data_dir)}); found "
+            + (f"{len(domains)} in {root}." if os.path.isdir(root) else "no such folder.")
+        )
+    return len(domains)
 
 
 def test_env_sets(specs: list[str], n_envs: int) -> list[list[int]]:
@@ -324,7 +340,7 @@ def make_jobs(
     for dataset, (objective, algorithm, disam) in itertools.product(datasets, combinations):
         method = {"objective": objective, "disam_lambda": disam}
         method = {k: v for k, v in method.items() if v != DEFAULT_AXES[k]}
-        for envs in test_env_sets(test_envs, num_environments(dataset)):
+        for envs in test_env_sets(test_envs, num_environments(dataset, fixed)):
             for trial_seed in preset_trial_seeds(hparams_preset, trial_seeds):
                 draw = (objective, algorithm, disam, trial_seed)
                 for point in _points(dataset, *draw, grid, hparams_preset, n_hparams):

@@ -7,6 +7,7 @@ limit, the SLURM batch script), one real tiny training job through its command, 
 import itertools
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 
 from sagm_jax.sweep import jobs as sweep_jobs, launchers
 from sagm_jax.sweep.__main__ import main as sweep_main, make_jobs, parse_args
+from run_fixtures import write_image_tree
 
 GRID = {"lr": [1e-5, 3e-5], "alpha": [1e-3, 5e-4]}
 
@@ -463,9 +465,7 @@ def test_sweep_takes_its_names_from_the_registries():
     assert methods.owners("rho") == methods.rule_names("head")  # swept for the heads only
     assert sweep_jobs.grid_points({"rho": [0.05, 0.1], "lr": [1e-3]}, "erm") == [{"lr": 1e-3}]
     assert len(sweep_jobs.grid_points({"rho": [0.05, 0.1], "lr": [1e-3]}, "sam")) == 2
-    assert sweep_jobs.CONFIG_FILES == {
-        name: path for name, path in registry.CONFIG_FILES.items() if name != "ImageFolder"
-    }
+    assert sweep_jobs.CONFIG_FILES == registry.CONFIG_FILES  # ImageFolder's too
     assert {sweep_jobs.num_environments(n) for n in ("RotatedMNIST", "RotatedDigits")} == {6}
     assert sweep_jobs.num_environments("ColoredMNIST") == 3
     assert sweep_jobs.num_environments("PACS") == 4
@@ -686,3 +686,46 @@ def test_bad_preset_arguments_are_named(tmp_path, capsys):
     ):
         out = sweep_main(["status", "--datasets", "PACS", "--output_dir", str(tmp_path), *argv])
         assert out == 2 and expected in capsys.readouterr().err, argv
+
+
+def dry_run_args(out: str) -> list[dict]:
+    """The ``--config.KEY=VALUE`` of each command that ``launch --dry_run`` printed."""
+    jobs = []
+    for line in out.splitlines():
+        if line.startswith("[") and "sagm_jax.main" in line:
+            words = shlex.split(line.split("] ", 1)[1])
+            pairs = [w[len("--config.") :].split("=", 1) for w in words if w.startswith("--config.")]
+            jobs.append({k: sweep_jobs.parse_value(v) for k, v in pairs})
+    return jobs
+
+
+def test_a_sweep_of_ones_own_image_folder_takes_its_domains_as_environments(tmp_path, capsys):
+    """ImageFolder: the environments are the domain folders of --set data_dir (three
+    here), each job's command carries data_dir, and the jobs pass main's checks."""
+    write_image_tree(tmp_path / "data")  # art, photo, sketch
+    tiny = ["arch=mnist_cnn", "pretrained_weights=none", "image_size=16", "steps=2"]
+    argv = ["launch", "--datasets", "ImageFolder", "--output_dir", str(tmp_path / "sweep")]
+    argv += ["--algorithms", "erm", "--dry_run", "--set", *tiny]
+    data_dir = f"data_dir={tmp_path / 'data'}"
+    assert sweep_main(argv + [data_dir, "--test_envs", "all_with_pairs"]) == 0
+    jobs = dry_run_args(capsys.readouterr().out)
+    assert sorted(tuple(j["test_envs"]) for j in jobs) == [(0,), (0, 1), (0, 2), (1,), (1, 2), (2,)]
+    assert {j["data_dir"] for j in jobs} == {str(tmp_path / "data")}
+    assert sweep_main(argv) == 2  # no data_dir
+    assert "--datasets ImageFolder needs --set data_dir=DIR" in capsys.readouterr().err
+    assert sweep_main(argv + [f"data_dir={tmp_path / 'none'}"]) == 2
+    assert f"--set data_dir={tmp_path / 'none'}: expected a folder" in capsys.readouterr().err
+
+
+def test_gpus_with_another_number_of_jobs_is_refused(tmp_path, capsys):
+    """--gpus runs one job per GPU: a --jobs that is not their number cannot be honoured
+    and exits 2 naming both; the same number, or no --jobs, is accepted."""
+    argv = ["launch", "--datasets", "RotatedDigits", "--test_envs", "0", "--dry_run"]
+    argv += ["--output_dir", str(tmp_path)]
+    assert sweep_main(argv + ["--gpus", "0,1", "--jobs", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--jobs 3 with --gpus 0,1: --gpus runs one job per GPU, 2 at a time" in err
+    for bad, said in (["--jobs", "0"], "--jobs 0: expected"), (["--gpus", "0,0"], "--gpus 0,0"):
+        assert sweep_main(argv + bad) == 2 and said in capsys.readouterr().err
+    assert sweep_main(argv + ["--gpus", "0,1", "--jobs", "2"]) == 0
+    assert sweep_main(argv + ["--gpus", "0,1"]) == 0
