@@ -189,12 +189,34 @@ def _value(rho: ScalarOrSchedule, count):
 
 
 def _check_rho(rho: ScalarOrSchedule) -> None:
-    """A number rho must be finite and >= 0 (a schedule is the caller's to bound)."""
+    """A number rho must be finite, >= 0 and at most the config's ``RHO_MAX`` (a schedule
+    is the caller's to bound; 0 is the config's to refuse for a rule that perturbs)."""
+    from sagm_jax.config.checks import RHO_MAX  # sagm_jax.config imports this module
+
     if isinstance(rho, numbers.Real) and not isinstance(rho, bool):
         if not (math.isfinite(rho) and rho >= 0):
             raise ValueError(
                 f"rho={rho!r}: expected a finite number >= 0 (the radius of the "
                 "perturbation), or an optax schedule of the update count."
+            )
+        if rho > RHO_MAX:
+            raise ValueError(
+                f"rho={rho!r}: expected a finite number in [0, {RHO_MAX:g}] (the radius of "
+                "the perturbation; published radii are 0.01-0.1, ASAM's up to 2)."
+            )
+
+
+def _check_hyperparameter(function: str, argument: str, value, hp: Hyperparameter) -> None:
+    """ValueError unless a Python number ``value`` is within ``hp.bounds``, the registry's
+    bounds that the config checks too (``sagm_jax.config.checks.bounds``). A traced value
+    (a pack's hyperparameter inside ``jit``) has none to check."""
+    from sagm_jax.config.checks import bounds  # sagm_jax.config imports this module
+
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        if expected := bounds(hp.bounds, hp.note)(value, None, None):
+            raise ValueError(
+                f"{function}({argument}={value!r}): expected {expected} (the config's "
+                f"{hp.key})."
             )
 
 
@@ -304,9 +326,10 @@ def sagm(
     give in SAGM's code). Without ``ascent_grads`` the option changes nothing.
 
     Args:
-      rho: perturbation radius, a finite float >= 0 (else ValueError) or an optax
-        schedule of the update count.
-      alpha: weight of the raw gradient subtracted in the ascent step.
+      rho: perturbation radius, a finite float in [0, 10] (the config's bound; else
+        ValueError) or an optax schedule of the update count.
+      alpha: weight of the raw gradient subtracted in the ascent step, in [0, 1) (the
+        config's ``alpha``; else ValueError).
       eps: added to the norm, so a zero gradient gives ``e = 0``, not NaN.
       adaptive: ASAM-style scaling by ``|w|`` (off in every experiment of the paper).
       combine: ``"mean"`` or ``"sum"``.
@@ -325,6 +348,7 @@ def sagm(
       >>> d, state = opt.update(jax.grad(loss)(w), state, w,
       ...                       grad_fn=lambda p, i: jax.grad(loss)(p))
     """
+    _check_hyperparameter("sagm", "alpha", alpha, _SAGM_ALPHA)
     if combine not in ("mean", "sum"):
         raise ValueError(
             f"combine={combine!r}: expected 'mean' (the released code) "
@@ -398,8 +422,10 @@ def gsam(
     ``g_p`` gives a finite direction. For rho that follows a learning-rate
     schedule, pass :func:`gsam_rho_schedule`. With the extra argument
     ``ascent_grads = g_DI`` (DISAM) ``e`` is built from ``g_DI`` as in :func:`sam`,
-    and ``g_perp`` still decomposes the clean ``g``. Other arguments as :func:`sagm`.
+    and ``g_perp`` still decomposes the clean ``g``. Other arguments as :func:`sagm`;
+    ``alpha`` in [0, 1] (the config's ``gsam_alpha``), else ValueError.
     """
+    _check_hyperparameter("gsam", "alpha", alpha, _GSAM_ALPHA)
 
     def direction(g, g_p):
         g_norm, g_p_norm = global_norm(g), global_norm(g_p)

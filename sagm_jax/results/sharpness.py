@@ -27,7 +27,8 @@ def sharpness(
     Args:
       loss_fn: ``loss_fn(params, batch) -> (loss_sum, count)``: the SUM of the
         per-example losses of the batch and the number of examples counted
-        (the mask's sum for a padded batch). It is jitted here.
+        (the mask's sum for a padded batch), two scalars; anything else (a mean loss
+        alone) is a TypeError saying so. It is jitted here.
       params: the point ``w``.
       batches: the dataset ``D``, iterated once per rho plus once: a list, or a
         re-iterable whose ``__iter__`` starts a fresh pass (a one-shot iterator is
@@ -43,6 +44,7 @@ def sharpness(
         batches = list(batches)
     if not any(True for _ in batches):
         raise ValueError("sharpness() needs at least one batch of the dataset D.")
+    _check_loss_fn(loss_fn, params, next(iter(batches)))
     sum_and_count = jax.jit(loss_fn)
     value_and_grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
 
@@ -78,3 +80,21 @@ def sharpness(
         "rho": [float(r) for r in rhos],
         "sharpness": curve,
     }
+
+
+def _check_loss_fn(loss_fn: Callable, params, batch) -> None:
+    """TypeError unless ``loss_fn(params, batch)`` returns ``(loss_sum, count)``, two
+    scalars, found from its shapes alone (``jax.eval_shape``: nothing is computed). A
+    mean loss would otherwise meet JAX's "expected function with aux output" error."""
+    out = jax.eval_shape(loss_fn, params, batch)
+    if isinstance(out, (tuple, list)) and len(out) == 2:
+        if all(hasattr(x, "shape") and x.shape == () for x in out):
+            return
+    shapes = jax.tree.map(lambda x: f"{x.dtype}{list(x.shape)}", out)
+    got = f"a {shapes} array" if hasattr(out, "shape") else f"{type(out).__name__} {shapes}"
+    raise TypeError(
+        "sharpness(): loss_fn(params, batch) must return (loss_sum, count): the SUM of the "
+        "batch's per-example losses and the number of examples counted, two scalars (a "
+        f"mean loss f: lambda p, b: (f(p, b) * n, n) with n the batch's size); it returned {got}."
+    )
+

@@ -769,3 +769,33 @@ def test_a_negative_or_non_finite_rho_is_refused_at_construction(transform, rho)
         transform(rho=rho)
     transform(rho=0.0)  # a head with rho 0 is the config's to refuse, not the transform's
     transform(rho=optax.constant_schedule(0.05))
+
+
+@pytest.mark.parametrize(
+    "build,argument,expected",
+    [
+        (lambda: sagm_jax.sagm(alpha=2.0), "sagm(alpha=2.0)", "a number in [0, 1)"),
+        (lambda: sagm_jax.sagm(alpha=-1), "sagm(alpha=-1)", "a number in [0, 1)"),
+        (lambda: sagm_jax.sagm(alpha=1.0), "sagm(alpha=1.0)", "a number in [0, 1)"),
+        (lambda: sagm_jax.gsam(alpha=1.5), "gsam(alpha=1.5)", "a number in [0, 1]"),
+        (lambda: sagm_jax.gsam(alpha=-0.1), "gsam(alpha=-0.1)", "a number in [0, 1]"),
+        (lambda: sagm_jax.sam(rho=11.0), "rho=11.0", "a finite number in [0, 10]"),
+        (lambda: sagm_jax.sagm(combine="avg"), "combine='avg'", "'mean'"),
+    ],
+)
+def test_the_transforms_refuse_what_the_config_refuses_where_they_are_built(
+    build, argument, expected
+):
+    # The command line's bounds (docs/optimizers.md): SAGM's alpha in [0, 1), GSAM's in
+    # [0, 1], rho at most 10.
+    with pytest.raises(ValueError) as error:
+        build()
+    message = str(error.value)
+    assert message.startswith(argument) and expected in message, message
+
+
+def test_the_transforms_take_the_bounds_edges_and_traced_values():
+    sagm_jax.sagm(alpha=0.0), sagm_jax.sagm(alpha=0.999), sagm_jax.sagm(rho=10.0)
+    sagm_jax.gsam(alpha=0.0), sagm_jax.gsam(alpha=1.0)
+    # Inside jit (a pack's traced hyperparameters) there is no value to check.
+    jax.jit(lambda a: sagm_jax.sagm(alpha=a).init(jnp.zeros(2)).count)(jnp.float32(2.0))

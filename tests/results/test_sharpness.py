@@ -50,3 +50,15 @@ def test_sharpness_at_zero_gradient_is_finite_and_rejects_empty_data():
     assert result["sharpness"] == [0.0]
     with pytest.raises(ValueError, match="at least one batch"):
         sagm_jax.sharpness(loss_fn, {"w": jnp.ones(3)}, [], [0.05])
+
+
+def test_a_loss_fn_that_returns_a_scalar_is_named_with_what_it_must_return():
+    def mean_loss(params, batch):  # a mean, not (sum, count)
+        return jnp.mean((batch - params["w"]) ** 2)
+
+    with pytest.raises(TypeError) as error:
+        sagm_jax.sharpness(mean_loss, {"w": jnp.ones(3)}, [jnp.zeros(3)], [0.05])
+    message = str(error.value)
+    assert message.startswith("sharpness(): loss_fn(params, batch) must return (loss_sum, "
+                              "count)"), message
+    assert "a float32[] array" in message and "aux output" not in message
