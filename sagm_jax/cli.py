@@ -25,6 +25,7 @@ import shutil
 import sys
 import tempfile
 import textwrap
+import time
 from typing import Callable, Sequence
 
 import ml_collections
@@ -47,6 +48,21 @@ USAGE, FAILED, INTERRUPTED = 2, 1, 130
 
 class UsageError(Exception):
     """A command that cannot start; the message says what to pass instead."""
+
+
+def launch_start() -> float:
+    """``time.monotonic()`` at this process's start, so that a launch's wall time counts
+    its imports and checks (Linux: from /proc, the start in clock ticks after boot and
+    the uptime); the time of the call where /proc cannot tell."""
+    now = time.monotonic()
+    try:
+        with open("/proc/self/stat") as f:  # field 22, after the ")" that ends the name
+            started = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return now
+    return now - min(max(0.0, uptime - started), now)
 
 
 def _say(message: str) -> None:

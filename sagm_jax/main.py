@@ -57,7 +57,7 @@ def claim_and_train(config, workdir: str) -> None:
             f"{workdir}/{RUN_LOCK}); wait for it to finish, or choose another --workdir."
         )
     try:
-        train_lib.train_and_evaluate(config, workdir)
+        train_lib.train_and_evaluate(config, workdir, launched=cli.launch_start())
     except BaseException:
         if claim is not None and not had_workdir:
             claim.release()

@@ -3,6 +3,7 @@ user errors without traceback, one run per workdir, and Ctrl-C."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -269,6 +270,17 @@ def test_ctrl_c_stops_cleanly_and_says_how_to_resume(tmp_path):
     assert "resumed at step" in result.stdout
     again = [json.loads(line)["step"] for line in results.read_text().splitlines()]
     assert again[: len(steps) - 1] == steps[: len(steps) - 1] and again[-1] == 19
+    # Without a terminal the progress bar is lines, one every 5% at most, not redraws.
+    bars = [line for line in result.stderr.splitlines() if "/20 [" in line]
+    assert "\r" not in result.stderr and 2 <= len(bars) <= 21, result.stderr[-2000:]
+    # A relaunch of the finished run counts its own start-up (imports, checks) as its time.
+    began = time.monotonic()
+    finished = main(*args, timeout=900)
+    took = time.monotonic() - began
+    launch = re.search(r"(\d+)m(\d\d)s this launch\)", finished.stdout)
+    assert launch, finished.stdout[-2000:]
+    seconds = 60 * int(launch.group(1)) + int(launch.group(2))
+    assert took / 2 - 1 <= seconds <= took + 1, (seconds, took)
 
 
 # --- the pre-start check of test_envs, valid examples, did you mean --------------------

@@ -41,8 +41,7 @@ import time
 import uuid
 import zlib
 
-from tqdm import tqdm
-
+from sagm_jax import formatting
 from sagm_jax.data.decode import cpu_count, flat_paths
 
 log = logging.getLogger(__name__)
@@ -319,7 +318,8 @@ def run_decode_jobs(
     in spawned worker processes, with a bar. With ``consume``, each result is passed to
     ``consume`` IN JOB ORDER (it returns the image count), at most ``4 * workers`` jobs ahead of
     the oldest unconsumed one, so results wait in memory for a few jobs at most."""
-    bar = tqdm(total=n, desc=f"Decoding {n:,} images once", unit="img", disable=not progress)
+    bar = formatting.progress(total=n, desc=f"Decoding {n:,} images once", unit="img",
+                              disable=not progress)
     with bar:
         if workers == 1 or len(jobs) == 1:
             for job in jobs:

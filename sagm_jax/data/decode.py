@@ -18,8 +18,8 @@ import os
 
 import numpy as np
 from PIL import Image
-from tqdm import tqdm
 
+from sagm_jax import formatting
 from sagm_jax.data.image_folder import BadImageError
 
 
@@ -71,7 +71,7 @@ def read_sizes(paths: list[str], *, progress: bool = True) -> np.ndarray:
     """int32 [N, 2] (h, w) of every file, from headers (threads: mostly file I/O)."""
     with concurrent.futures.ThreadPoolExecutor(min(32, 2 * cpu_count())) as pool:
         sizes = list(
-            tqdm(
+            formatting.progress(
                 pool.map(read_size, paths, chunksize=64),
                 total=len(paths),
                 desc="Reading image headers",

@@ -61,8 +61,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from tqdm import tqdm
 
+from sagm_jax import formatting
 from sagm_jax.config import fields, validate
 from sagm_jax.data.pipeline import prefetch_to_mesh
 from sagm_jax.methods import networks
@@ -476,7 +476,7 @@ def _loop(config, members: list[Member], lanes, mesh):
     first = min(m.start for m in members if m.live)
     batches = prefetch_to_mesh(_batches(members, first), mesh, axis=RUNS)
     interval = evaluation_interval(config)
-    progress = tqdm(total=config.steps, initial=first, unit="step", dynamic_ncols=True)
+    progress = formatting.progress(total=config.steps, initial=first, unit="step")
     try:
         for t in range(first, config.steps):
             active = _active(members, t)

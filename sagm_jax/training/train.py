@@ -41,7 +41,6 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
-from tqdm import tqdm
 
 from sagm_jax import data as data_lib
 from sagm_jax import formatting
@@ -303,12 +302,8 @@ def _training_loop(
     )
     interval = evaluation_interval(config)
     sums = None  # of the step's metrics since the last record, on the device (accumulate)
-    progress = tqdm(
-        total=config.steps,
-        initial=start,
-        unit="step",
-        disable=not rundir.is_main,
-        dynamic_ncols=True,
+    progress = formatting.progress(
+        total=config.steps, initial=start, unit="step", disable=not rundir.is_main
     )
     try:
         for t in range(start, config.steps):
@@ -425,13 +420,17 @@ def _metric_writer(workdir: str, is_main: bool):
     return metric_writers.create_default_writer(workdir, just_logging=not is_main)
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Any:
+def train_and_evaluate(
+    config: ml_collections.ConfigDict, workdir: str, launched: float | None = None
+) -> Any:
     """Runs ``config.test_envs``, or every environment in turn with ``config.all_test_envs``
     (then prints the table of test accuracies and writes it to ``workdir/results.md``).
-    Starts by printing the run directory, ends with the wall time."""
+    Starts by printing the run directory, ends with the wall time of the launch since
+    ``launched`` (a ``time.monotonic()``; ``sagm_jax.main`` passes its process's start,
+    default: this call)."""
     import time
 
-    start, is_main = time.monotonic(), jax.process_index() == 0
+    start, is_main = time.monotonic() if launched is None else launched, jax.process_index() == 0
     earlier = []  # the recorded wall times of the runs found finished
 
     def train_or_read(run_config, run_workdir):
