@@ -72,7 +72,7 @@ def read_sizes(paths: list[str], *, progress: bool = True) -> np.ndarray:
     with concurrent.futures.ThreadPoolExecutor(min(32, 2 * cpu_count())) as pool:
         sizes = list(
             formatting.progress(
-                pool.map(read_size, paths, chunksize=64),
+                iterable=pool.map(read_size, paths, chunksize=64),
                 total=len(paths),
                 desc="Reading image headers",
                 unit="img",
