@@ -28,6 +28,24 @@ when the run is relaunched.
 A Ctrl-C or SIGTERM that arrives during a save is held until the save is complete and
 then stops the run (``KeyboardInterrupt``): a save is never cut in half, and orbax's
 commit threads never meet an interpreter that is already shutting down.
+
+Pruning is atomic as a reader sees it: orbax renames a step it drops to
+``checkpoints/pruned/<step>`` (its ``todelete_subdir``; one ``rename``, and a name that
+is no step), and that folder is removed after each save. A kill in the middle leaves a
+partial ``pruned/<step>`` that no reader lists; the next start removes it, and with it
+any step folder without orbax's ``_CHECKPOINT_METADATA`` (half-deleted in place by a
+version that deleted steps where they were).
+
+A checkpoint that does not read (a truncated or lost file) is kept aside as
+``checkpoints/<step>.damaged`` (no step name either) when the run resumes, with one
+warning line, and the run resumes from the newest one that reads: the records after it
+are dropped and trained again, so it ends as the uninterrupted run does. Where none
+reads, :class:`DamagedCheckpointError` says so, naming the folder and what to do.
+
+Each checkpoint's metrics also hold its record's training metrics (the mean ``loss``
+and the method's means since the previous record), which only training can produce: a
+record lost from ``results.jsonl`` is rebuilt from its checkpoint and them
+(``train.rebuild_record``).
 """
 
 from __future__ import annotations
@@ -35,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import json
 import logging
 import math
 import os
@@ -44,6 +63,7 @@ import sys
 import threading
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
@@ -51,6 +71,13 @@ from sagm_jax.training import rundir
 
 DIRECTORY = rundir.CHECKPOINTS
 SWAD_DIRECTORY = rundir.SWAD_MODEL
+PRUNED = "pruned"  # orbax's todelete_subdir: where a dropped step is renamed, then removed
+DAMAGED = ".damaged"  # suffix of a step folder that does not read, kept aside
+COMMITTED = "_CHECKPOINT_METADATA"  # orbax writes it in every step folder it commits
+
+
+class DamagedCheckpointError(OSError):
+    """A checkpoint (or every checkpoint) of a run cannot be read."""
 
 
 def _rank(metrics: dict):
@@ -83,6 +110,7 @@ def _manager(workdir: str, saving: bool = True) -> ocp.CheckpointManager:
         best_mode="max",
         enable_async_checkpointing=False,
         cleanup_tmp_directories=True,
+        todelete_subdir=PRUNED,  # a rename: atomic as a reader sees it (module docstring)
     )
     return ocp.CheckpointManager(directory, options=options)
 
@@ -91,20 +119,61 @@ class Checkpoints:
     """Saving and restoring one run's train state (a no-op when ``enabled`` is False)."""
 
     def __init__(self, workdir: str, enabled: bool = True):
-        self.manager = _manager(workdir) if enabled else None
         self.directory = _directory(workdir)
+        if enabled:
+            _sweep(self.directory)  # before the manager lists the steps
+        self.manager = _manager(workdir) if enabled else None
 
     def restore_latest(self, state):
-        """The newest checkpoint restored into ``state``'s shapes and shardings, or
-        ``None`` when there is none."""
+        """The newest checkpoint that reads, restored into ``state``'s shapes and
+        shardings, or ``None`` when there is none. Newer ones that do not read are kept
+        aside (:func:`_set_aside`) with one warning line; where none reads, a
+        :class:`DamagedCheckpointError`."""
         if self.manager is None or self.manager.latest_step() is None:
             return None
+        damaged = []  # (step, reason), newest first
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            restored, reason = _attempt(lambda s=step: self.restore(s, state))
+            if _everywhere(reason is None):
+                break
+            damaged.append((step, reason or "unreadable on another process"))
+        else:
+            raise DamagedCheckpointError(_none_reads(self.directory, damaged))
+        if damaged:
+            self._set_aside(damaged, step)
+        return restored
+
+    def restore(self, step: int, state):
+        """Checkpoint ``step`` restored into ``state``'s shapes and shardings."""
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-        step = self.manager.latest_step()
         return self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
 
-    def save(self, step: int, state, validation: float) -> None:
-        """Saves ``state`` as the checkpoint of record ``step``, ranked by ``validation``."""
+    def _set_aside(self, damaged: list, resumed: int) -> None:
+        """Renames each damaged step folder to ``<step>.damaged`` (process 0, then every
+        process waits for it) and says so in one line on stderr."""
+        moved = []
+        for step, reason in damaged:
+            target = _damaged_path(self.directory, step)
+            if jax.process_index() == 0:
+                os.rename(os.path.join(self.directory, str(step)), target)
+            moved.append(f"step {step} ({reason}) kept aside as {os.path.basename(target)}")
+        _sync("sagm_jax: damaged checkpoints set aside")
+        self.manager.reload()
+        if jax.process_index() == 0:
+            print(
+                f"Warning: {self.directory}: {'; '.join(moved)}: it does not read. Resuming "
+                f"from step {resumed}; the records after it are trained again.",
+                file=sys.stderr, flush=True,
+            )
+
+    def training_metrics(self, step: int) -> dict | None:
+        """The training metrics saved with checkpoint ``step`` (:meth:`save`), or None."""
+        return stored_training_metrics(os.path.dirname(self.directory), step)
+
+    def save(self, step: int, state, validation: float, training: dict | None = None) -> None:
+        """Saves ``state`` as the checkpoint of record ``step``, ranked by ``validation``;
+        ``training``, the record's training metrics (``rundir.training_metrics``), is
+        kept with it, so that a lost record can be rebuilt."""
         if self.manager is None:
             return
         if not math.isfinite(validation):
@@ -113,12 +182,16 @@ class Checkpoints:
                 "no checkpoint can be ranked by it."
             )
         metrics = {"validation": float(validation), "step": int(step)}
+        if training is not None:
+            metrics["training"] = dict(training)
         with _stops_held(), _save_errors_held() as held:
             try:
                 self.manager.save(step, args=ocp.args.StandardSave(state), metrics=metrics)
             except Exception as error:
                 held.clear()  # the message below says it; ``from`` keeps the traceback
                 raise OSError(self._failure(step, error)) from error
+            if jax.process_index() == 0:  # orbax prunes on the primary host
+                shutil.rmtree(os.path.join(self.directory, PRUNED), ignore_errors=True)
 
     def _failure(self, step: int, error: Exception) -> str:
         """One line for a user: what failed, where, the free space, what is kept and
@@ -225,22 +298,135 @@ def _folder_bytes(path: str) -> int:
     )
 
 
+def _sweep(directory: str) -> None:
+    """Removes what a kill during pruning left (process 0; the others wait): the
+    ``pruned`` folder, and step folders without ``_CHECKPOINT_METADATA``."""
+    if jax.process_index() == 0 and os.path.isdir(directory):
+        shutil.rmtree(os.path.join(directory, PRUNED), ignore_errors=True)
+        for name in os.listdir(directory):
+            path = os.path.join(directory, name)
+            if name.isdigit() and os.path.isdir(path) and not _committed(path):
+                shutil.rmtree(path)
+    _sync("sagm_jax: checkpoints swept")
+
+
+def _committed(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, COMMITTED))
+
+
+def _sync(name: str) -> None:
+    """A barrier of every process of a multi-host run (nothing with one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def _everywhere(ok: bool) -> bool:
+    """Whether ``ok`` holds on every process: they all resume from the same step."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
+
+
+def _attempt(read):
+    """``(read(), None)``, or ``(None, reason)`` where it raises: orbax's and
+    TensorStore's reports of a damaged file held back, the reason in one line."""
+    with _save_errors_held() as held:
+        try:
+            return read(), None
+        except Exception as error:  # noqa: BLE001  any failure to read is "damaged"
+            held.clear()
+            return None, _root_reason(error)
+
+
+def _root_reason(error: BaseException) -> str:
+    """The first line of the error at the root of ``error``'s chain (TensorStore's
+    "OUT_OF_RANGE: ... not valid for value of size 10" under orbax's wrappers)."""
+    while (error.__cause__ or error.__context__) is not None:
+        error = error.__cause__ or error.__context__
+    first = (str(error).splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first[:240]}{'...' if len(first) > 240 else ''}"
+
+
+def _damaged_path(directory: str, step: int) -> str:
+    """``<step>.damaged``, or ``<step>.damaged-2``, ... where that is taken."""
+    path, n = os.path.join(directory, f"{step}{DAMAGED}"), 1
+    while os.path.exists(path):
+        n += 1
+        path = os.path.join(directory, f"{step}{DAMAGED}-{n}")
+    return path
+
+
+def _none_reads(directory: str, damaged: list) -> str:
+    failures = "; ".join(f"step {step}: {reason}" for step, reason in damaged)
+    return (
+        f"no checkpoint in {directory} can be read ({failures}), so the run cannot "
+        "resume; the checkpoints and the records are left as they are. To train it "
+        f"again from step 0 in this directory, move that folder aside (mv {directory} "
+        f"{directory}{DAMAGED}) and run the same command; or restore the folder from a copy "
+        "and run the same command to resume."
+    )
+
+
 def saved_steps(workdir: str) -> list[int]:
-    """The steps of the checkpoints kept in ``workdir``."""
-    return list(_manager(workdir, saving=False).all_steps())
+    """The steps of the checkpoints kept in ``workdir``: its step folders that orbax
+    committed (a folder half-deleted by a kill, or set aside, is none)."""
+    directory = _directory(workdir)
+    if not os.path.isdir(directory):
+        return []
+    return sorted(
+        int(name) for name in os.listdir(directory)
+        if name.isdigit() and _committed(os.path.join(directory, name))
+    )
+
+
+def stored_training_metrics(workdir: str, step: int) -> dict | None:
+    """The record's training metrics saved with checkpoint ``step`` (``loss`` and the
+    method's means), or None (no such checkpoint, or one saved before they were)."""
+    path = os.path.join(_directory(workdir), str(step), "metrics", "metrics")
+    try:
+        with open(path) as f:
+            training = json.load(f).get("training")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return training if isinstance(training, dict) and "loss" in training else None
 
 
 def restore_variables(workdir: str, step: int) -> dict:
     """``{'params': ..., 'batch_stats': ...}`` of checkpoint ``step`` as host arrays,
-    without rebuilding the optimizer (whatever its mode or axis names were)."""
-    manager = _manager(workdir, saving=False)
-    if step not in manager.all_steps():
+    without rebuilding the optimizer (whatever its mode or axis names were). A step
+    that is not kept is a ``FileNotFoundError`` listing the steps that are; one that
+    does not read, a :class:`DamagedCheckpointError` naming it and the steps that read."""
+    directory, steps = _directory(workdir), saved_steps(workdir)
+    _check_layout(directory)
+    if step not in steps:
         raise FileNotFoundError(
-            f"{os.path.join(workdir, DIRECTORY)} holds no checkpoint of step {step} "
-            f"(it holds {list(manager.all_steps())})."
+            f"{directory} holds no checkpoint of step {step} (it holds the steps {steps})."
         )
-    restored = manager.restore(step, args=ocp.args.StandardRestore())
+    restored, reason = _attempt(lambda: _read_step(directory, step))
+    if reason is not None:
+        others = [s for s in steps if s != step]
+        readable = [s for s in others if _attempt(lambda s=s: _read_step(directory, s))[1] is None]
+        raise DamagedCheckpointError(
+            f"{os.path.join(directory, str(step))}: the checkpoint of step {step} is damaged "
+            f"and cannot be read ({reason}). The steps that read: {readable}."
+        )
     return {"params": restored["params"], "batch_stats": restored.get("batch_stats") or {}}
+
+
+def _read_step(directory: str, step: int) -> dict:
+    """Everything saved in checkpoint ``step``, as host arrays, read without a manager
+    (which would list every step folder, and warn about any that is not whole)."""
+    with ocp.StandardCheckpointer() as checkpointer:
+        return checkpointer.restore(os.path.join(directory, str(step), "default"))
+
+
+def _check_layout(directory: str) -> None:
+    if os.path.isdir(os.path.join(directory, "latest")):
+        _manager(os.path.dirname(directory), saving=False)  # raises, naming the layout
 
 
 def save_swad_variables(workdir: str, variables: dict) -> None:

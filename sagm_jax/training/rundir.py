@@ -245,6 +245,29 @@ def check_steps(path: str, records: list[dict], finished: bool, before: int | No
         )
 
 
+def missing_last_record(workdir: str, before: int | None = None) -> int | None:
+    """The step of the run's last evaluation before step ``before`` (of all of them when
+    None: a finished run) when its record alone is missing from ``results.jsonl`` (a
+    torn or lost last line) and every one before it is there, in order; else None. The
+    evaluations are those of ``config.json``."""
+    try:
+        config = read_config(workdir)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or not {"steps", "eval_every"} <= set(config):
+        return None
+    expected = evaluation_steps(int(config["steps"]), evaluation_interval(config))
+    if before is not None:
+        expected = [t for t in expected if t < before]
+    elif stops_early(config):
+        return None  # its last record may be any evaluation's
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the readers that drop a torn line say so
+        records = _read_records(os.path.join(workdir, RESULTS))[0]
+    steps = [r["step"] for r in records if before is None or r["step"] < before]
+    return expected[-1] if expected and steps == expected[:-1] else None
+
+
 def _steps_text(steps: list[int]) -> str:
     return str(steps) if len(steps) <= 8 else f"[{steps[0]}, {steps[1]}, ..., {steps[-1]}]"
 
@@ -315,6 +338,18 @@ def make_record(
         },
         "hparams": hyperparameters(config_dict),
         "config": config_dict,
+    }
+
+
+RECORD_CONTEXT = ("step", "epoch", "args", "hparams", "config")  # make_record's own keys
+
+
+def training_metrics(record: dict) -> dict:
+    """What of ``record`` only training gives (:func:`make_record`'s ``loss`` and
+    ``metrics``): every key but the accuracies and :data:`RECORD_CONTEXT`. A checkpoint
+    keeps them, so that its record can be made again from it."""
+    return {
+        k: v for k, v in record.items() if k not in RECORD_CONTEXT and not k.endswith("_acc")
     }
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import sys
 from typing import Any
 
 import jax
@@ -59,14 +60,17 @@ from sagm_jax.training.rundir import (
     CHECKPOINTS,
     DONE,
     RESULTS,
+    RecordsError,
     RunDir,
     evaluation_interval,
     is_evaluation_step,
     make_record,
+    missing_last_record,
     read_records,
     read_run_info,
     read_swad_record,
     read_wall_time,
+    training_metrics,
 )
 from sagm_jax.results.selection import training_domain_validation, validation_accuracy
 from sagm_jax.swad.run import SwadRun
@@ -244,7 +248,7 @@ def train_one_run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]
         state = program.state
     else:
         print(f"{workdir}: resumed at step {int(state.step)}.")
-    records = rundir.records_before(int(state.step))
+    records = records_before(config, program, rundir, checkpoints, state)
     swad_run = SwadRun(config, program.train_envs, records) if config.swad else None
     new_records, state = _training_loop(config, program, rundir, checkpoints, state, swad_run)
     records += new_records
@@ -274,13 +278,74 @@ def finished_records(rundir: RunDir, config) -> list[dict]:
     """A done run's records, once its data and records are checked: a sweep relaunched
     on changed data must not mix this run's results with new ones."""
     check_split_record(rundir.workdir, data_lib.from_config(config, open_images=False))
-    records = read_records(rundir.workdir)
+    try:
+        records = read_records(rundir.workdir)
+    except RecordsError:
+        step = missing_last_record(rundir.workdir)
+        if step is None:
+            raise
+        program = setup(config)
+        checkpoints = Checkpoints(rundir.workdir, enabled=config.checkpoint)
+        state = _restored(checkpoints, step, program.state, rundir.workdir)
+        records = records_before(config, program, rundir, checkpoints, state)
     if rundir.is_main:
         env_names = read_run_info(rundir.workdir)["env_names"]
         print(f"{rundir.workdir}: already done; not training again.")
         swad_record = read_swad_record(rundir.workdir)
         print_summary(records, list(config.test_envs), env_names, swad_record)
     return records
+
+
+def records_before(config, program: Program, rundir: RunDir, checkpoints, state) -> list[dict]:
+    """The records before the restored ``state`` (``RunDir.records_before``). Where
+    the one of the restored checkpoint's own step alone is missing (a torn or lost last
+    line), it is made again (:func:`rebuild_record`)."""
+    step = int(state.step)
+    try:
+        return rundir.records_before(step)
+    except RecordsError:
+        if step == 0 or missing_last_record(rundir.workdir, before=step) != step - 1:
+            raise
+    return rebuild_record(config, program, rundir, checkpoints, state)
+
+
+def rebuild_record(config, program: Program, rundir: RunDir, checkpoints, state) -> list[dict]:
+    """The record of checkpoint ``state.step - 1``, lost from ``results.jsonl``, made
+    again: its accuracies evaluated again from the checkpoint (evaluation is a function
+    of the variables and the data alone), its ``loss`` and the method's means from the
+    checkpoint's metrics (:meth:`Checkpoints.save`). Rewrites the file with the records
+    before it, then appends it; says so in one line. Returns the records."""
+    step = int(state.step) - 1
+    results = os.path.join(rundir.workdir, RESULTS)
+    training = checkpoints.training_metrics(step)
+    if training is None:
+        raise RecordsError(
+            f"{results}: the record of step {step} is lost, and "
+            f"{os.path.join(rundir.workdir, CHECKPOINTS, str(step))} predates the training "
+            "metrics checkpoints keep, so it cannot be made again. To train the run again "
+            f"in this directory, delete {os.path.join(rundir.workdir, CHECKPOINTS)} and "
+            f"{os.path.join(rundir.workdir, DONE)} and run the same command."
+        )
+    records = rundir.records_before(step)
+    record = evaluate_and_record(config, program, rundir, checkpoints, state, step, training)
+    if rundir.is_main:
+        print(
+            f"Warning: {results}: the record of step {step} was lost (a torn last line); "
+            f"made again from {os.path.join(rundir.workdir, CHECKPOINTS, str(step))}.",
+            file=sys.stderr, flush=True,
+        )
+    return records + [record]
+
+
+def _restored(checkpoints: Checkpoints, step: int, state, workdir: str):
+    """Checkpoint ``step`` into ``state``'s shapes; the records' error where it is not
+    kept (a run without checkpoints, or pruned)."""
+    if step not in (checkpoints.manager.all_steps() if checkpoints.manager else []):
+        raise RecordsError(
+            f"{os.path.join(workdir, RESULTS)}: the record of step {step} is lost and no "
+            f"checkpoint of step {step} is kept to make it again: rerun in a new --workdir."
+        )
+    return checkpoints.restore(step, state)
 
 
 def _training_loop(
@@ -323,7 +388,8 @@ def _training_loop(
                 writer.write_scalars(t, {k: v for k, v in record.items() if k.endswith("_acc")})
                 if swad_run is not None:
                     state = swad_run.after_evaluation(state, record)
-                checkpoints.save(t, state, validation_accuracy(record, program.train_envs))
+                validation = validation_accuracy(record, program.train_envs)
+                checkpoints.save(t, state, validation, training_metrics(record))
                 sums = None
     finally:  # the prefetch thread and the progress bar end even when the loop fails
         batches.close()  # stops the prefetching thread
