@@ -268,12 +268,16 @@ def default_workdir(config: ml_collections.ConfigDict) -> str:
     return os.path.join("workdirs", name)
 
 
-def _data_problem(config) -> str | None:
+def _data_problems(config) -> list[str]:
+    """What keeps a folder dataset from being read, found by listing folders (no image is
+    opened): a missing data_dir or dataset folder (one line: nothing else can be
+    checked), else every problem of its tree at once (``registry.folder_problems``) and,
+    for an image folder, test_envs against its domain folders."""
     from sagm_jax.data import registry
 
     spec = registry.DATASETS.get(config.dataset)
     if spec is None or spec.kind != "folder":
-        return None  # in memory (an unknown name is reported by preflight)
+        return []  # in memory (an unknown name is reported by preflight)
     layout = (
         "DATA_DIR/<domain>/<class>/<image>"
         if spec.folder is None
@@ -284,18 +288,38 @@ def _data_problem(config) -> str | None:
         f"`python -m sagm_jax.data.verify --dataset={config.dataset} --data_dir=DATA_DIR`."
     )
     if not config.data_dir:
-        return (
+        return [
             f"--config.data_dir=DATA_DIR is missing: {config.dataset} is read from {layout}. {get}"
-        )
+        ]
     if not os.path.isdir(config.data_dir):
-        return f"--config.data_dir={config.data_dir}: no such directory. Expected {layout}. {get}"
+        return [f"--config.data_dir={config.data_dir}: no such directory. Expected {layout}. {get}"]
     root = registry.dataset_root(spec, config.data_dir)
     if not os.path.isdir(root):
-        return (
+        return [
             f"--config.data_dir={config.data_dir}: it has no {spec.folder}/ folder; "
             f"{config.dataset} is read from {layout}. {get}"
-        )
-    return _folder_test_envs_problem(config, root) if spec.domains is None else None
+        ]
+    problems = registry.folder_problems(spec, config.data_dir)
+    if spec.domains is None and (envs := _folder_test_envs_problem(config, root)):
+        problems.append(envs)
+    return problems
+
+
+def _listed_domains(config) -> int | None:
+    """The domain folders of an image folder (its environments), None for a dataset
+    whose environments the registry knows or a folder that is not there."""
+    from sagm_jax.data import registry, splits
+
+    spec = registry.DATASETS.get(config.dataset)
+    if spec is None or spec.kind != "folder" or spec.domains or not config.data_dir:
+        return None
+    root = registry.dataset_root(spec, config.data_dir)
+    return len(splits.list_domains(root)) if os.path.isdir(root) else None
+
+
+def _given_keys(argv: Sequence[str]) -> list[str]:
+    """The keys of the ``--config.KEY=VALUE`` (or ``--config.KEY VALUE``) words of ``argv``."""
+    return [m.group(1) for a in argv[1:] if (m := re.match(r"--config\.([\w.]+)(=|$)", a))]
 
 
 def _folder_test_envs_problem(config, root: str) -> str | None:
@@ -342,15 +366,19 @@ def preflight(
     argv: Sequence[str],
     device_count: int | None = None,
 ) -> None:
-    """UsageError listing EVERYTHING that stops the run from starting (data, weights,
-    values, workdir), each with the flag that fixes it, and an example command.
-    ``device_count`` bounds ``config.num_devices`` (None: not known yet). Settings that
-    are likely slips but may be meant (:func:`sagm_jax.config.config_warnings`) are
-    printed as warnings, before the problems."""
+    """UsageError listing EVERYTHING that stops the run from starting (data and the
+    layout of its folders, weights, values, a method's setting given for a method not in
+    the run, a batch the devices cannot share, workdir), each with the flag that fixes
+    it, and an example command. ``device_count`` bounds ``config.num_devices`` and
+    shares the batch (None: not known yet). Settings that are likely slips but may be
+    meant (:func:`sagm_jax.config.config_warnings`) are printed as warnings, before the
+    problems."""
     for warning in config_lib.config_warnings(config):
         _say(f"{PROGRAM}: warning: {warning}")
-    problems = [p for p in (_data_problem(config), _workdir_problem(workdir)) if p]
+    problems = _data_problems(config) + [p for p in [_workdir_problem(workdir)] if p]
     problems += config_lib.config_problems(config, device_count, check_files=True)
+    problems += config_lib.unused_setting_problems(config, _given_keys(argv))
+    problems += config_lib.device_batch_problems(config, device_count, _listed_domains(config))
     if not problems:
         return
     hints = value_suggestions(config, device_count)
@@ -382,8 +410,9 @@ def _example(config, workdir: str, argv: Sequence[str], device_count) -> list[st
     ``--workdir``, with the base config's value for a file's own invalid one, and with
     placeholders for the missing data and weights."""
     invalid = {key for key, _ in config_lib.field_problems(config, device_count)}
-    data = _data_problem(config)
-    if data and data.startswith("config.test_envs="):
+    invalid |= {k for k in _given_keys(argv) if config_lib.unused_setting_problems(config, [k])}
+    data = _data_problems(config)
+    if any(p.startswith("config.test_envs=") for p in data):
         invalid.add("test_envs")
     if config.arch not in models.WEIGHTS_FILES and config_lib.weights_problem(config):
         invalid.add("pretrained_weights")  # weights given to a network that takes none

@@ -332,6 +332,114 @@ def test_image_folder_test_envs_covering_every_environment_exit_2(tmp_path):
     assert "Run directory:" not in result.stdout and not os.path.exists(tmp_path / "run")
 
 
+def broken_image_folder(root):
+    """An image folder with four problems: domain b lacks class y (it has z), domain c
+    holds its images directly (a flat layout), domain d is empty."""
+    from PIL import Image
+
+    image_folder(root, domains=("a",))
+    image_folder(root, domains=("b",), classes=("x", "z"))
+    os.makedirs(root / "c")
+    Image.new("RGB", (8, 8)).save(root / "c" / "0.png")
+    os.makedirs(root / "d")
+    return str(root)
+
+
+def test_image_folder_layout_and_batch_problems_are_listed_together(tmp_path):
+    config = mnist_config("ImageFolder")
+    config.data_dir, config.batch_per_env = broken_image_folder(tmp_path / "data"), 3
+    with pytest.raises(cli.UsageError) as error:
+        cli.preflight(config, str(tmp_path / "run"), ["main"], device_count=2)
+    message = flat(str(error.value))
+    root = tmp_path / "data"
+    assert "5 thing(s) to fix" in message, message
+    assert f"{root / 'c'} holds 1 image file(s) but no class sub-folders" in message
+    assert f"{root / 'd'} is empty" in message
+    assert "domain a lacks the class folder(s) ['z']" in message
+    assert "domain b lacks the class folder(s) ['y']" in message
+    # 4 domains, test_envs (0,): 3 training environments x 3 examples = 9 per step.
+    assert "9 examples per step" in message and "among the 2 devices" in message
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_a_published_dataset_with_other_classes_is_a_pre_start_problem(tmp_path):
+    from PIL import Image
+
+    for domain in ("art_painting", "cartoon", "photo", "sketch"):
+        for name in ("dog", "horse", "person"):
+            os.makedirs(tmp_path / "PACS" / domain / name)
+            Image.new("RGB", (8, 8)).save(tmp_path / "PACS" / domain / name / "0.png")
+    config = cli.load_config_file(os.path.join(REPO, "configs", "pacs.py"))
+    config.data_dir, config.pretrained_weights = str(tmp_path), "none"
+    with pytest.raises(cli.UsageError) as error:
+        cli.preflight(config, str(tmp_path / "run"), ["main"])
+    message = flat(str(error.value))
+    assert "1 thing(s) to fix" in message
+    assert "has 3 class folders (dog, horse, person), expected 7" in message
+
+
+@pytest.mark.parametrize(
+    "devices,batch_per_env,eval_batch_size,expected",
+    [
+        (4, 3, 0, ["15 examples per step"]),  # 5 training environments x 3
+        (5, 3, 0, []),
+        (4, 4, 6, ["config.eval_batch_size=6"]),
+        (8, 3, 0, []),  # with config.num_devices=5 below: 15 divides among 5
+    ],
+)
+def test_a_batch_that_does_not_divide_among_the_devices_is_a_pre_start_problem(
+    tmp_path, devices, batch_per_env, eval_batch_size, expected
+):
+    config = mnist_config("RotatedDigits")  # six environments, test_envs (0,)
+    config.batch_per_env, config.eval_batch_size = batch_per_env, eval_batch_size
+    if devices == 8:
+        config.num_devices = 5
+    run = str(tmp_path / "run")
+    if not expected:
+        cli.preflight(config, run, ["main"], device_count=devices)
+        return
+    with pytest.raises(cli.UsageError) as error:
+        cli.preflight(config, run, ["main"], device_count=devices)
+    message = flat(str(error.value))
+    assert "1 thing(s) to fix" in message and expected[0] in message, message
+    assert f"among the {devices} devices" in message
+
+
+def test_a_method_hyperparameter_of_a_method_not_in_the_run_is_refused(tmp_path):
+    path = os.path.join(REPO, DIGITS)
+    config = cli.load_config_file(path)  # objective erm, algorithm sagm
+    config.miro_ld, config.rho = 5.0, 0.1
+    argv = ["main", f"--config={path}", "--config.miro_ld=5", "--config.rho=0.1"]
+    with pytest.raises(cli.UsageError) as error:
+        cli.preflight(config, str(tmp_path / "run"), argv)
+    message = flat(str(error.value))
+    assert "1 thing(s) to fix" in message
+    assert "--config.miro_ld=5.0: miro_ld is a hyperparameter of objective miro" in message
+    example = message.split("For example: ", 1)[1]
+    assert "--config.miro_ld" not in example and "--config.rho=0.1" in example
+    # The method in the run: no problem.
+    config.objective = "miro"
+    cli.preflight(config, str(tmp_path / "run"), argv + ["--config.objective=miro"])
+
+
+def test_main_lists_layout_and_setting_problems_before_the_run_directory(tmp_path):
+    data = broken_image_folder(tmp_path / "data")
+    result = main(
+        f"--config={DIGITS}",
+        f"--workdir={tmp_path / 'run'}",
+        "--config.dataset=ImageFolder",
+        f"--config.data_dir={data}",
+        "--config.miro_ld=5",
+        f"--config.cache_dir={tmp_path / 'cache'}",
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    err = flat(result.stderr)
+    assert "5 thing(s) to fix" in err and "objective miro" in err, err
+    assert "Traceback" not in result.stderr and "Run directory:" not in result.stdout
+    assert not os.path.exists(tmp_path / "run") and not os.path.exists(tmp_path / "cache")
+
+
 def overrides(command: str) -> dict:
     """``{KEY: VALUE}`` of the ``--config.KEY=VALUE`` words of an example command."""
     words = command.split()
@@ -463,7 +571,8 @@ def test_weights_for_the_mnist_cnn_are_a_pre_start_problem(tmp_path):
 
 def test_a_resnet_from_scratch_with_frozen_batchnorm_is_warned_before_the_run(tmp_path, capsys):
     config = base_config()
-    config.update(dict(dataset="ImageFolder", data_dir=str(tmp_path), pretrained_weights="none"))
+    data = image_folder(tmp_path / "data")
+    config.update(dict(dataset="ImageFolder", data_dir=data, pretrained_weights="none"))
     cli.preflight(config, str(tmp_path / "run"), ["main"])  # a warning, not a problem
     err = flat(capsys.readouterr().err)
     assert "warning:" in err and "--config.freeze_batchnorm=False" in err

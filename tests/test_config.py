@@ -537,3 +537,69 @@ def test_swad_says_that_it_replaces_eval_every():
     assert "--config.swad_eval_every=50" in warning
     config.swad_eval_every = 50
     assert config_warnings(config) == []
+
+
+# --- a method's own setting given while the method is not in the run -------------------
+
+
+@pytest.mark.parametrize(
+    "given,values,expected",
+    [
+        ({"miro_ld": 5.0}, {}, "--config.miro_ld=5.0: miro_ld is a hyperparameter of objective "
+         "miro, not of this run's objective erm and update rule sagm; add "
+         "--config.objective=miro, or leave --config.miro_ld out."),
+        ({"mmd_gamma": 2.0}, {"algorithm": "erm"}, "of objectives coral, mmd, not of this "
+         "run's objective erm and update rule erm; add --config.objective=coral (or mmd)"),
+        ({"alpha": 1e-3}, {"algorithm": "sam"}, "alpha is a hyperparameter of update rule "
+         "sagm, not of this run's"),
+        ({"rho": 0.1}, {"algorithm": "erm"}, "rho is a hyperparameter of update rules sam, "
+         "gsam, sagm, erm_sam,"),
+        ({"disam_descent": "variance"}, {}, "--config.disam_descent=variance: DISAM's "
+         "setting, and DISAM is off (config.disam_lambda=0); add --config.disam_lambda="),
+        ({"swad_n_converge": 5}, {}, "--config.swad_n_converge=5: SWAD's setting, and SWAD "
+         "is off; add --config.swad=True"),
+        ({"mixstyle_p": 1.0}, {}, "--config.mixstyle_p=1.0: MixStyle's setting, and MixStyle "
+         "is off; add --config.mixstyle=True"),
+    ],
+)
+def test_a_setting_of_a_method_not_in_the_run_is_a_problem(given, values, expected):
+    from sagm_jax.config import unused_setting_problems
+
+    config = unlocked(**values, **given)
+    (problem,) = unused_setting_problems(config, given)
+    assert expected in problem, problem
+    assert unused_setting_problems(config, ()) == []  # the config file's own values
+
+
+@pytest.mark.parametrize(
+    "given,values",
+    [
+        ({"miro_ld": 5.0}, {"objective": "miro"}),
+        ({"mmd_gamma": 2.0}, {"objective": "mmd"}),
+        ({"rho": 0.1, "alpha": 5e-4, "combine": "sum"}, {}),
+        ({"disam_descent": "variance", "disam_lambda": 0.1}, {}),
+        ({"swad_n_converge": 5}, {"swad": True}),
+        ({"mixstyle_p": 1.0, "mixstyle_mix": "crossdomain"}, {"mixstyle": True}),
+        ({"lr": 1e-4, "disam_lambda": 0.0, "swad": False, "objective": "erm"}, {}),
+    ],
+)
+def test_a_setting_of_a_method_in_the_run_is_no_problem(given, values):
+    from sagm_jax.config import unused_setting_problems
+
+    assert unused_setting_problems(unlocked(**values, **given), given) == []
+
+
+def test_the_sweeps_searches_give_no_method_a_setting_of_another():
+    from sagm_jax.config import unused_setting_problems
+    from sagm_jax.methods import OBJECTIVES, UPDATE_RULES
+    from sagm_jax.sweep import hparams, jobs
+
+    triples, _ = jobs.method_combinations(list(OBJECTIVES), list(UPDATE_RULES), [0.0, 0.1])
+    for objective, algorithm, disam in triples:
+        config = unlocked(objective=objective, algorithm=algorithm, disam_lambda=disam)
+        for dataset in ("RotatedDigits", "PACS"):
+            drawn = hparams.random_hparams(algorithm, dataset, 3, 0, objective, disam)
+            assert unused_setting_problems(config, drawn) == [], (objective, algorithm)
+        for grid in (jobs.REDUCED_RESNET, jobs.REDUCED_MNIST, jobs.SWAD_GRID):
+            for point in jobs.grid_points(grid, algorithm, objective):
+                assert unused_setting_problems(config, point) == [], (objective, algorithm)

@@ -431,9 +431,11 @@ def mnist_config(dataset: str) -> ml_collections.ConfigDict:
 
 from sagm_jax.config.combinations import (  # noqa: E402,F401  (the sweep's preflight's too)
     crossdomain_mixstyle_problems,
+    device_batch_problems,
     method_problems,
     mldg_problem,
     training_environments,
+    unused_setting_problems,
 )
 
 

@@ -1,15 +1,29 @@
 """The checks of combinations of config keys: what a method, MixStyle's cross-domain mix
 and MLDG's split need of the rest of the config, one line per problem, naming the keys
-and what to set instead (``config_problems`` gathers them with the fields' own checks)."""
+and what to set instead (``config_problems`` gathers them with the fields' own checks).
+Two more that know what a config cannot: :func:`unused_setting_problems`, a method's
+own setting given on the command line while the method is not in the run (the command
+line passes the keys it was given), and :func:`device_batch_problems`, a batch that does
+not divide among the devices (the command line passes the device count and, for an image
+folder, the domains it listed)."""
 
 from __future__ import annotations
+
+from typing import Iterable
 
 import ml_collections
 
 from sagm_jax.config import checks
 from sagm_jax.data.registry import DATASETS
+from sagm_jax.formatting import flag_value
 from sagm_jax.methods.procedures import mldg_split_problem
-from sagm_jax.methods.registry import OBJECTIVES, UPDATE_RULES, combination_problem, rule_names
+from sagm_jax.methods.registry import (
+    OBJECTIVES,
+    UPDATE_RULES,
+    combination_problem,
+    owners,
+    rule_names,
+)
 
 
 def method_problems(config: ml_collections.ConfigDict) -> list[str]:
@@ -69,20 +83,26 @@ def crossdomain_mixstyle_problems(config: ml_collections.ConfigDict) -> list[str
     return problems
 
 
-def training_environments(config: ml_collections.ConfigDict) -> int | None:
+def training_environments(
+    config: ml_collections.ConfigDict, num_domains: int | None = None
+) -> int | None:
     """How many environments a run of ``config`` trains on, from the dataset registry
-    and ``test_envs`` (``all_test_envs``: each run holds one out); None where the
-    domains are known only once the data is listed (an image folder) or the values
-    are invalid (named by the fields' own checks)."""
+    (or ``num_domains``, an image folder's listed domains) and ``test_envs``
+    (``all_test_envs``: each run holds one out); None where the domains are known only
+    once the data is listed (an image folder) or the values are invalid (named by the
+    fields' own checks)."""
     spec = DATASETS.get(config.get("dataset"))
-    if spec is None or not spec.domains:
+    if spec is None:
+        return None
+    domains = len(spec.domains) if spec.domains else num_domains
+    if not domains:
         return None
     if config.get("all_test_envs") is True:
-        return len(spec.domains) - 1
+        return domains - 1 or None
     test_envs = config.get("test_envs")
-    if checks.test_envs(test_envs, config, None):
+    if checks.test_envs(test_envs, config, None) or max(test_envs) >= domains:
         return None
-    return len(spec.domains) - len(test_envs)
+    return domains - len(test_envs) or None
 
 
 def mldg_problem(config: ml_collections.ConfigDict) -> str | None:
@@ -95,3 +115,99 @@ def mldg_problem(config: ml_collections.ConfigDict) -> str | None:
     if not (checks.is_int(n_meta_test) and n_meta_test >= 1):
         return None  # named by the field's own check
     return mldg_split_problem(n_meta_test, num_domains)
+
+
+# Settings of a part of the run that a switch turns on: (the key prefix, the switch, the
+# part's name). Their keys are read only when the switch is True.
+SWITCHED = (("swad_", "swad", "SWAD"), ("mixstyle_", "mixstyle", "MixStyle"))
+
+
+def unused_setting_problems(config: ml_collections.ConfigDict, given: Iterable[str]) -> list[str]:
+    """For each key of ``given`` (those the user set: the command line's ``--config.KEY``)
+    that belongs to a method this run leaves out, one line naming the method: an
+    objective's or update rule's own hyperparameter (``methods.owners``) while neither
+    ``config.objective`` nor ``config.algorithm`` is one of its owners; DISAM's
+    ``disam_descent`` while ``disam_lambda`` is 0; a SWAD or MixStyle setting while that
+    is off. Such a value would be accepted and never read. A config file's own values
+    (``configs/pacs.py``'s alpha under ``--config.algorithm=sam``) are not given."""
+    objective, algorithm = config.get("objective"), config.get("algorithm")
+    if objective not in OBJECTIVES or algorithm not in UPDATE_RULES:
+        return []  # named by the fields' own checks
+    problems = []
+    for key in dict.fromkeys(given):
+        flag = f"--config.{key}={flag_value(config.get(key))}"
+        if key == "disam_descent" and algorithm in owners(key):
+            if config.get("disam_lambda") == 0:
+                problems.append(
+                    f"{flag}: DISAM's setting, and DISAM is off (config.disam_lambda=0); add "
+                    "--config.disam_lambda=LAMBDA > 0 (DISAM on SAGM), or leave "
+                    f"--config.{key} out."
+                )
+            continue
+        switched = [(s, name) for prefix, s, name in SWITCHED if key.startswith(prefix)]
+        if switched and config.get(switched[0][0]) is not True:
+            switch, name = switched[0]
+            problems.append(
+                f"{flag}: {name}'s setting, and {name} is off; add --config.{switch}=True, "
+                f"or leave --config.{key} out."
+            )
+        elif (problem := _owner_problem(key, objective, algorithm)) is not None:
+            problems.append(f"{flag}: {problem}")
+    return problems
+
+
+def _owner_problem(key: str, objective: str, algorithm: str) -> str | None:
+    """Why method hyperparameter ``key`` is not read by ``objective`` x ``algorithm``."""
+    names = owners(key)
+    if not names or {objective, algorithm} & set(names):
+        return None  # shared (lr, dropout), or the run's own
+    parts, switches = [], []
+    for what, table, flag in (
+        ("objective", OBJECTIVES, "objective"), ("update rule", UPDATE_RULES, "algorithm")
+    ):
+        mine = [n for n in names if n in table]
+        if mine:
+            parts.append(f"{what}{'s' if len(mine) > 1 else ''} {', '.join(mine)}")
+            more = f" (or {', '.join(mine[1:])})" if len(mine) > 1 else ""
+            switches.append(f"--config.{flag}={mine[0]}{more}")
+    return (
+        f"{key} is a hyperparameter of {' and '.join(parts)}, not of this run's objective "
+        f"{objective} and update rule {algorithm}; add {' or '.join(switches)}, or leave "
+        f"--config.{key} out."
+    )
+
+
+def device_batch_problems(
+    config: ml_collections.ConfigDict, device_count: int | None, num_domains: int | None = None
+) -> list[str]:
+    """The batches a run shards over its devices that do not divide among them: the
+    training batch (``batch_per_env`` x the training environments) and a set
+    ``eval_batch_size``. The devices are ``config.num_devices``, or all ``device_count``
+    of them (0); ``num_domains`` gives an image folder's domain count (the registry's
+    datasets know theirs). Nothing where a count is unknown or a value invalid (named by
+    the fields' own checks)."""
+    num_devices, batch = config.get("num_devices"), config.get("batch_per_env")
+    if not (checks.is_int(num_devices) and checks.is_int(batch) and batch >= 1):
+        return []
+    devices = num_devices or device_count
+    train_envs = training_environments(config, num_domains)
+    if not devices or devices < 1 or (device_count and devices > device_count):
+        return []
+    which = "every device" if not num_devices else f"config.num_devices={num_devices}"
+    problems = []
+    if train_envs and (batch * train_envs) % devices:
+        fits = next(b for b in range(batch, batch + devices + 1) if b * train_envs % devices == 0)
+        problems.append(
+            f"config.batch_per_env={batch} x {train_envs} training environments = "
+            f"{batch * train_envs} examples per step do not divide among the {devices} devices "
+            f"({which}), which each take an equal share; use --config.batch_per_env={fits}, "
+            "or --config.num_devices=N with N dividing the step's examples."
+        )
+    eval_batch = config.get("eval_batch_size")
+    if checks.is_int(eval_batch) and eval_batch > 0 and eval_batch % devices:
+        problems.append(
+            f"config.eval_batch_size={eval_batch} does not divide among the {devices} devices "
+            f"({which}); use a multiple of {devices}, or 0 (the default per device)."
+        )
+    return problems
+

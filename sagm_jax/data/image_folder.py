@@ -8,6 +8,11 @@ file order and does not keep the order DomainBed's splits are defined on, so a s
 made through it would not be DomainBed's. The listed files are read by a source
 (``dataset.Source``: tf.data in ``tf_input.py``, or the decoded store in ``store.py``).
 
+Before a run, ``layout_problems`` lists the folders alone (no image is opened) and
+returns every problem of the tree at once, for the command line's checks: no domain
+folder, a flat domain (images but no class folders), an empty domain, a class folder
+with no image, domains whose class folders differ.
+
 Checks, done when a dataset is opened (``scan_image_folder``):
 
 * the folder exists and has domain folders (else ``DatasetNotFoundError`` with the
@@ -180,6 +185,77 @@ def _write_checks(cache_dir: str, cache_file: str, notable: dict) -> None:
         )
         with contextlib.suppress(OSError):
             os.remove(tmp)
+
+
+def layout_problems(root: str) -> list[str]:
+    """Every problem of the tree ``root/<domain>/<class>/<image>`` that listing its
+    folders finds, one line each (empty: none): no domain folder, a domain holding images
+    but no class folder (a flat layout), an empty domain, a class folder without an image
+    file (nested folders included), and each domain that lacks class folders another has.
+    Cheap: each class folder is listed only until its first image; nothing is decoded.
+    ``scan_image_folder`` raises the first of them when the data is opened."""
+    expected = f"expected {root}/<domain>/<class>/<image>"
+    domains = splits_lib.list_domains(root)
+    if not domains:
+        loose = _image_names(root)
+        held = f" (it holds {len(loose)} image file(s) directly: a flat layout)" if loose else ""
+        return [f"Dataset folder {root} has no domain sub-folders{held}; {expected}."]
+    problems, classes_of = [], {}
+    for domain in domains:
+        domain_dir = os.path.join(root, domain)
+        classes = splits_lib.list_classes(domain_dir)
+        if not classes:
+            loose = _image_names(domain_dir)
+            problems.append(
+                f"Domain folder {domain_dir} holds {len(loose)} image file(s) but no class "
+                f"sub-folders (a flat layout); {expected}, one folder per class."
+                if loose
+                else f"Domain folder {domain_dir} is empty (no class sub-folders); {expected}."
+            )
+            continue
+        classes_of[domain] = classes
+        problems += [
+            f"Empty class folder {os.path.join(domain_dir, c)}: no files with an image "
+            f"extension {splits_lib.IMAGE_EXTENSIONS} (case-insensitive), nested folders "
+            "included."
+            for c in classes
+            if not _holds_an_image(os.path.join(domain_dir, c))
+        ]
+    every = sorted(set().union(*classes_of.values()))
+    for domain, classes in classes_of.items():
+        if missing := sorted(set(every) - set(classes)):
+            having = [d for d, c in classes_of.items() if set(missing) & set(c)]
+            problems.append(
+                f"Domains have different class folders: domain {domain} lacks the class "
+                f"folder(s) {missing} that {', '.join(having)} ha{'ve' if len(having) > 1 else 's'}"
+                f" ({root}); every domain must have the same class folders (labels are "
+                "their sorted order)."
+            )
+    return problems
+
+
+def _image_names(folder: str) -> list[str]:
+    return [e.name for e in os.scandir(folder) if e.is_file() and splits_lib.is_image_file(e.name)]
+
+
+def _holds_an_image(folder: str) -> bool:
+    """Whether ``folder`` or a folder below it (symlinks followed, each folder once, so a
+    loop ends) holds a file with an image extension; stops at the first."""
+    seen, stack = set(), [folder]
+    while stack:
+        path = stack.pop()
+        real = os.path.realpath(path)
+        if real in seen:
+            continue
+        seen.add(real)
+        try:
+            entries = list(os.scandir(path))
+        except OSError:
+            continue
+        if any(splits_lib.is_image_file(e.name) and e.is_file() for e in entries):
+            return True
+        stack += [e.path for e in entries if e.is_dir()]
+    return False
 
 
 def scan_image_folder(
@@ -383,8 +459,9 @@ def _leave_out_bad_files(root, env_names, class_names, files_per_env, notable, s
     if not skip_bad_files:
         raise BadImageError(
             f"{len(bad)} file(s) under {root} have an image extension but do not decode:\n"
-            f"{listing}{more}\nRe-download or remove them, or pass skip_bad_files=True "
-            "to leave them out (the skipped files are then reported and recorded)."
+            f"{listing}{more}\nRe-download or remove them, or pass "
+            "--config.skip_bad_files=True (sagm_jax.data.verify: --skip_bad_files) to leave "
+            "them out (the skipped files are then reported and recorded)."
         )
     bad_set = {p for p, _ in bad}
     skipped = [{"path": _relative(root, p), "reason": why} for p, why in bad]

@@ -16,6 +16,7 @@ import dataclasses
 import os
 from typing import Callable
 
+from sagm_jax.data import splits as splits_lib
 from sagm_jax.data.mnist import COLOR_ENV_NAMES, ROTATIONS
 
 DOWNLOAD_HELP = (
@@ -180,6 +181,33 @@ def _check_layout(spec: DatasetSpec, index, data_dir: str) -> None:
             f"{spec.name} at {index.root} has domains {index.env_names}, expected "
             f"{list(spec.domains)}.\n{spec.missing_help(data_dir)}"
         )
+
+
+def folder_problems(spec: DatasetSpec, data_dir: str) -> list[str]:
+    """Every problem of an image-folder dataset's tree under ``data_dir`` that listing
+    its folders finds (``image_folder.layout_problems``; no image is opened), and, for a
+    published dataset, class folders or domains other than the published ones (what
+    :func:`_check_layout` raises once the data is opened), one line each."""
+    from sagm_jax.data import image_folder
+
+    root = dataset_root(spec, data_dir)
+    problems = image_folder.layout_problems(root)
+    domains = splits_lib.list_domains(root)
+    classes = sorted({c for d in domains for c in splits_lib.list_classes(os.path.join(root, d))})
+    where = f"{spec.name} at {root}"
+    if spec.num_classes is not None and classes and len(classes) != spec.num_classes:
+        problems.append(
+            f"{where} has {len(classes)} class folders ({', '.join(classes)}), expected "
+            f"{spec.num_classes}: is data_dir the folder holding {spec.folder}/, or is this "
+            f"another dataset? `python -m sagm_jax.data.verify --dataset={spec.name} "
+            "--data_dir=DATA_DIR` compares it with the published counts."
+        )
+    if spec.domains is not None and domains and tuple(domains) != spec.domains:
+        problems.append(
+            f"{where} has domains {', '.join(domains)}, expected {', '.join(spec.domains)} "
+            "(the domain folders' names)."
+        )
+    return problems
 
 
 def tf_data_source(index, image_size: int):

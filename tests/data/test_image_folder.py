@@ -65,7 +65,7 @@ def test_undecodable_files_named(tree, tmp_path):
     with pytest.raises(data.BadImageError) as err:
         load(tree, tmp_path)
     msg = str(err.value)
-    assert "3 file(s)" in msg and "skip_bad_files=True" in msg
+    assert "3 file(s)" in msg and "--config.skip_bad_files=True" in msg
     for path in bad:
         assert path in msg
 
@@ -269,3 +269,41 @@ def test_a_read_only_cache_with_a_store_but_no_checks_is_read(tree, tmp_path, mo
     assert again.source.images.path == built.path
     assert sorted(str(p) for p in cache.rglob("*")) == before  # nothing written
     assert str(cache / "verified") in caplog.text and "not cached" in caplog.text
+
+
+# --- the listing checks a run makes before it starts (no image is decoded) ------------
+
+
+def test_layout_problems_lists_every_problem_of_a_folder_at_once(tree, tmp_path):
+    from sagm_jax.data.image_folder import layout_problems
+
+    assert layout_problems(tree) == []  # make_tree's folder is a valid one
+    shutil.rmtree(os.path.join(tree, "domain_c", "cat"))  # a class-set mismatch
+    os.makedirs(os.path.join(tree, "domain_d"))  # an empty domain
+    write_image(os.path.join(tree, "domain_e", "0.png"), (8, 8), 0, "PNG")  # flat
+    for name in os.listdir(os.path.join(tree, "domain_a", "dog")):  # an empty class
+        os.remove(os.path.join(tree, "domain_a", "dog", name))
+    problems = layout_problems(tree)
+    text = "\n".join(problems)
+    assert len(problems) == 4, text
+    assert f"{os.path.join(tree, 'domain_d')} is empty" in text
+    assert f"{os.path.join(tree, 'domain_e')} holds 1 image file(s) but no class" in text
+    assert f"Empty class folder {os.path.join(tree, 'domain_a', 'dog')}" in text
+    assert "domain_c lacks the class folder(s) ['cat']" in text
+
+
+def test_layout_problems_compares_a_published_dataset_with_its_classes_and_domains(tmp_path):
+    from sagm_jax.data.registry import DATASETS, folder_problems
+
+    pacs = DATASETS["PACS"]
+    for domain in ("art_painting", "cartoon", "photo", "sketch"):
+        for cls in ("dog", "horse", "person"):
+            write_image(str(tmp_path / "PACS" / domain / cls / "0.png"), (8, 8), 0, "PNG")
+    problems = folder_problems(pacs, str(tmp_path))
+    assert len(problems) == 1 and "has 3 class folders (dog, horse, person), expected 7" in (
+        problems[0]
+    ), problems
+    os.rename(tmp_path / "PACS" / "sketch", tmp_path / "PACS" / "sketches")
+    problems = folder_problems(pacs, str(tmp_path))
+    assert any("domains art_painting, cartoon, photo, sketches, expected art_painting, "
+               "cartoon, photo, sketch" in p for p in problems), problems
