@@ -202,6 +202,12 @@ def mtl_classify(params, features, embedding) -> jax.Array:
     return joined @ params["kernel"] + params["bias"]
 
 
+def embedding_noise(key, shape) -> jax.Array:
+    """MTL's N(0, 1) embedding draws of ``shape`` from ``key`` (the reference's
+    ``.normal_()``), independent for every row and coordinate."""
+    return jax.random.normal(key, shape, jnp.float32)
+
+
 def _mtl_init(key, shapes, hp) -> dict:
     """The classifier on 2 d inputs (torch's Linear init) and the embeddings E = 0 [M, d]."""
     d, fan_in = shapes.feature_dim, 2 * shapes.feature_dim
@@ -244,7 +250,7 @@ def _mtl(args: Step):
     stored = out.batch_stats["method"]["embeddings"]
     current = ema * features.mean(axis=1) + (1.0 - ema) * stored
     if args.hp["mtl_embedding"] == "noise":
-        embedding = jax.random.normal(args.key, features.shape, jnp.float32)
+        embedding = embedding_noise(args.key, features.shape)
     else:
         embedding = jnp.broadcast_to(current[:, None, :], features.shape)
     logits = mtl_classify(args.params["method"]["classifier"], features, embedding)

@@ -175,10 +175,16 @@ class StepMethod(NamedTuple):
     disam_lambda: float = 0.0
 
 
-# The objective's random draws (Mixup's pairs, CutMix's box) come from their own stream
-# of the step's key, the same in the clean and the perturbed pass: both differentiate
-# one loss function. Dropout draws its own mask in each pass (see the module docstring).
-_OBJECTIVE_STREAM = 1
+def step_keys(key, step):
+    """``(clean, perturbed, objective)``: three independent keys of step ``step`` of a run
+    whose step key is ``key``, one split of ``fold_in(key, step)``: the clean pass's
+    dropout and MixStyle, the perturbed pass's, and the objective's draws (MTL's noise,
+    Mixup's pairs, CutMix's box), the same in the clean and the perturbed pass (both
+    differentiate one loss function). Dropout draws its own mask in each pass (see the
+    module docstring). A key folded from the step key with 1 would be the perturbed
+    pass's: with JAX's partitionable threefry, ``split(k)[i] == fold_in(k, i)``."""
+    clean_key, perturbed_key, objective_key = jax.random.split(jax.random.fold_in(key, step), 3)
+    return clean_key, perturbed_key, objective_key
 
 
 def make_train_step(
@@ -211,10 +217,8 @@ def make_train_step(
     reset_step = objectives.reset_optimizer_step(method.objective, method.hyperparameters)
 
     def train_step(state: TrainState, batch, key):
-        step_key = jax.random.fold_in(key, state.step)
-        clean_key, perturbed_key = jax.random.split(step_key)
+        clean_key, perturbed_key, objective_key = step_keys(key, state.step)
         perturbed_key = clean_key if shared_dropout else perturbed_key
-        objective_key = jax.random.fold_in(step_key, _OBJECTIVE_STREAM)
 
         def forward_at(params, dropout_key, mixstyle=use_mixstyle):
             return _forward(

@@ -228,8 +228,7 @@ def ref_mtl(net, clf, stored, x, y, ema, noise):
 def objective_noise(t):
     """The N(0, 1) draws of step t: the package's draw (the objective's key of that
     step, as the train step derives it), re-applied in the re-statement."""
-    step_key = jax.random.fold_in(jax.random.key(7), t)
-    key = jax.random.fold_in(step_key, train_step_lib._OBJECTIVE_STREAM)
+    key = train_step_lib.step_keys(jax.random.key(7), t)[2]
     return jnp.asarray(np.asarray(jax.random.normal(key, (M, B, DIM), jnp.float32)), jnp.float64)
 
 
@@ -276,6 +275,56 @@ def test_mtl_embeddings_advance_once_per_sagm_step():
             features = ref_tiny(f64(states[t].params), x)[0].reshape(M, B, DIM)
             stored = ema * features.mean(1) + (1 - ema) * stored
             assert_close(states[t + 1].batch_stats["method"]["embeddings"], stored)
+
+
+def test_objective_key_is_no_pass_key():
+    """Over 50 steps, the objective's key (MTL's noise, Mixup's pairs) is none of the keys
+    the two passes draw dropout and MixStyle from, nor any other step's key: a key shared
+    with a pass would tie the noise to that pass's dropout."""
+    seen = {}
+    for t in range(50):
+        clean, perturbed, objective = train_step_lib.step_keys(jax.random.key(7), t)
+        named = {"clean": clean, "perturbed": perturbed, "objective": objective}
+        for name in ("clean", "perturbed"):
+            dropout, mixstyle = jax.random.split(named[name])
+            named[f"{name} dropout"], named[f"{name} mixstyle"] = dropout, mixstyle
+        for name, key in named.items():
+            data = tuple(np.asarray(jax.random.key_data(key)).tolist())
+            assert data not in seen, f"step {t}: the {name} key is the {seen.get(data)} key"
+            seen[data] = f"step {t} {name}"
+
+
+def test_mtl_training_noise_is_fresh_iid_normal_over_steps(monkeypatch):
+    """MTL's training draws over 40 SAGM steps, as the train step makes them: the same in
+    the clean and the perturbed pass of a step (one loss), independent across steps, rows
+    and coordinates, and N(0, 1) (Kolmogorov-Smirnov), as the reference's fresh
+    ``.normal_()`` of every call."""
+    from scipy import stats
+
+    from sagm_jax.methods import adaptive
+
+    draws = []
+    drawn = adaptive.embedding_noise
+
+    def recorded(key, shape):
+        z = drawn(key, shape)
+        jax.debug.callback(lambda v: draws.append(np.asarray(v)), z)
+        return z
+
+    monkeypatch.setattr(adaptive, "embedding_noise", recorded)
+    steps = 40
+    run_steps("mtl", mtl_hp("noise"), CHANNELS, algorithm="sagm", steps=steps,
+              rule_hp={"rho": 0.05, "alpha": 0.01})
+    assert len(draws) == 2 * steps and draws[0].shape == (M, B, DIM)
+    clean, perturbed = np.stack(draws[0::2]), np.stack(draws[1::2])
+    np.testing.assert_array_equal(clean, perturbed)
+    flat = clean.reshape(steps, -1)
+    assert stats.kstest(flat.ravel(), "norm").pvalue > 1e-3
+    corr = np.corrcoef(flat)[~np.eye(steps, dtype=bool)]
+    # 18 draws per step: |r| of independent steps stays below 0.9 (p < 1e-6 each).
+    assert np.abs(corr).max() < 0.9
+    rows = clean.reshape(steps * M * B, DIM)
+    assert len({r.tobytes() for r in rows}) == len(rows)
 
 
 @pytest.mark.parametrize("embedding", ["mean", "noise"])
