@@ -1,30 +1,23 @@
 """The whole report of ``python -m sagm_jax.collect_results`` (:func:`build_report`):
 the tables, the winners' tables when asked, and the notes (what the cells mean, runs
-left out, and under leave-one-domain-out the missing pair runs with the sweep command
-that adds them, :func:`pair_runs_command`)."""
+left out, and under leave-one-domain-out the missing pair runs with the commands that
+add exactly those, ``sagm_jax.results.pair_jobs``)."""
 
 from __future__ import annotations
 
 import collections
-import shlex
 
-from sagm_jax import methods
-from sagm_jax.results import selection
+from sagm_jax.results import pair_jobs, selection
 from sagm_jax.results.listings import winners_table
 from sagm_jax.results.records import (
     DOMAINBED,
-    Run,
     env_labels,
-    is_domainbed,
     load_sweep,
-    method_name,
-    method_of,
     select_settings,
 )
 from sagm_jax.results.tables import (
     PLUS_MINUS,
     Sweep,
-    dataset_order,
     dataset_table,
     latex_escape,
     table_1,
@@ -93,56 +86,35 @@ def missing_pair_runs(groups: dict, split: str = "domainbed") -> dict:
     return {key: sorted(envs) for key, envs in missing.items()}
 
 
-def pair_runs_command(runs: list[Run], missing: dict, input_dir: str) -> str:
-    """The sweep command that adds the pair runs of the ``missing`` (dataset, method)
-    pairs of our runs (``--test_envs all_with_pairs``; the done single runs are skipped).
-    The sweep's other arguments (``--hparams``, ``--grid``, ``--set``) are not in the
-    records' methods, so the command says to add them."""
-    axes = {k: [] for k in ("datasets", "algorithms", "objectives", "disam_lambdas", "seeds")}
-    for run in runs:
-        first = run.records[0]
-        if is_domainbed(first) or (first["args"]["dataset"], method_name(first)) not in missing:
-            continue
-        objective, algorithm, disam = method_of(first)
-        args = first["args"]
-        values = (args["dataset"], algorithm, objective, disam, args["trial_seed"])
-        for key, value in zip(axes, values):
-            if value not in axes[key]:
-                axes[key].append(value)
-    order = {  # each axis in its table's order
-        "datasets": dataset_order,
-        "algorithms": list(methods.UPDATE_RULES).index,
-        "objectives": list(methods.OBJECTIVES).index,
-    }
-    axes = {k: sorted(v, key=order.get(k)) for k, v in axes.items()}
-    words = ["python", "-m", "sagm_jax.sweep", "launch", "--datasets", *axes["datasets"]]
-    words += ["--algorithms", *axes["algorithms"]]
-    if axes["objectives"] != ["erm"]:
-        words += ["--objectives", *axes["objectives"]]
-    if axes["disam_lambdas"] != [0.0]:
-        words += ["--disam_lambdas", *(f"{v:g}" for v in axes["disam_lambdas"])]
-    words += ["--trial_seeds", *(str(s) for s in axes["seeds"])]
-    words += ["--test_envs", "all_with_pairs", "--output_dir", input_dir]
-    return shlex.join(words) + " <the sweep's --hparams, --grid and --set>"
-
-
-def missing_pairs_note(missing: dict, ood: Sweep, command: str) -> str:
-    """Leave-one-domain-out's note: which methods lack pair runs, and how to add them."""
+def missing_pairs_note(needed, ood: Sweep) -> str:
+    """Leave-one-domain-out's note: which methods lack pair runs, and the commands that
+    launch exactly the missing ones (``needed``: :func:`pair_jobs.missing_pairs`'s)."""
     parts = []
     for dataset in ood.datasets:
         entries = [
-            f"{method} (test environments {', '.join(map(str, missing[dataset, method]))})"
+            f"{method} (test environments {', '.join(map(str, needed.cells[dataset, method]))})"
             for method in ood.methods
-            if (dataset, method) in missing
+            if (dataset, method) in needed.cells
         ]
         if entries:
             parts.append(f"{dataset}: " + ", ".join(entries))
     note = (
-        "Leave-one-domain-out needs, beside each single run (t,), the pair runs (t, v) "
-        "holding out t and each other environment v; missing for " + "; ".join(parts) + ". "
-        f"Add them with: {command} (jobs already done are skipped)."
+        "Leave-one-domain-out needs, beside each single run (t,), the pair runs (t, v) of "
+        "its setting, holding out t and each other environment v; missing for "
+        + "; ".join(parts)
+        + "."
     )
-    if any(method.endswith(DOMAINBED) for _, method in missing):
+    lines = pair_jobs.commands(needed.jobs)
+    n = len(needed.jobs)
+    if len(lines) == 1:
+        note += f" Add the {n} missing pair run(s), and no other, with: {lines[0]}"
+    elif lines:
+        note += (
+            f" Add the {n} missing pair runs, and no other, with these {len(lines)} commands "
+            "(one per method and setting where one grid cannot hold them):"
+        )
+        note += "".join(f"\n  {line}" for line in lines)
+    if any(method.endswith(DOMAINBED) for _, method in needed.cells):
         note += " DomainBed's runs: its sweep.py without --single_test_envs."
     return note
 
@@ -185,7 +157,8 @@ def build_report(
     chosen = {group: choice["test_acc"] for group, choice in choices.items()}
     ood, in_domain = Sweep(chosen, groups, "domainbed"), Sweep(chosen, groups, "in_domain")
     name = selection.SELECTION_NAMES[selection_name]
-    missing = missing_pair_runs(groups) if selection_name == "leave_one_out" else {}
+    loo = selection_name == "leave_one_out"
+    missing = missing_pair_runs(groups) if loo else {}
     # Under leave-one-domain-out, a table or a dataset without any entry is a missing-
     # runs message, not a table of dashes.
     has_entry = {d for (d, *_) in ood.acc} if missing else set(ood.datasets)
@@ -207,11 +180,12 @@ def build_report(
             if any(g[:2] == (split, d) for g in choices)
         ]
     notes = report_notes(name, pm, finished, (ood, in_domain), loaded)
-    if missing:
-        command = pair_runs_command(finished, missing, input_dir)
-        notes.append(missing_pairs_note(missing, ood, command))
+    needed = pair_jobs.missing_pairs(loaded, input_dir) if loo else None
+    if needed and needed.cells:
+        notes.append(missing_pairs_note(needed, ood))
     if latex:
-        out += ["% " + latex_escape(n).replace(pm, "$\\pm$") for n in notes]
+        notes = [latex_escape(n).replace(pm, "$\\pm$") for n in notes]
+        out += ["% " + n.replace("\n", "\n% ") for n in notes]  # each line a comment
     else:
         out += ["Notes:", "\n".join(f"- {n}" for n in notes)]
     return "\n\n".join(out) + "\n"

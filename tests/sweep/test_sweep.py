@@ -206,6 +206,7 @@ open(os.path.join(workdir, "done"), "w").close()
 note("end")
 """
 
+
 def start_launcher(tmp_path, jobs, seconds, workers=1, name="spec"):
     fake = tmp_path / "fake_job.py"
     fake.write_text(FAKE_JOB)
@@ -436,8 +437,17 @@ def test_slurm_submission_is_one_array_task_per_job_with_the_flags(tmp_path, mon
 
 def test_slurm_launcher_off_a_cluster_says_so(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no srun
-    argv = ["launch", "--datasets", "PACS", "--algorithms", "erm", "--test_envs", "0",
-            "--set", "pretrained_weights=resnet50.safetensors"]  # a run's own check
+    argv = [
+        "launch",
+        "--datasets",
+        "PACS",
+        "--algorithms",
+        "erm",
+        "--test_envs",
+        "0",
+        "--set",
+        "pretrained_weights=resnet50.safetensors",
+    ]  # a run's own check
     assert sweep_main(argv + ["--output_dir", str(tmp_path), "--launcher", "slurm"]) == 2
     assert "--launcher slurm" in capsys.readouterr().err
 
@@ -469,7 +479,6 @@ def test_sweep_takes_its_names_from_the_registries():
     assert {sweep_jobs.num_environments(n) for n in ("RotatedMNIST", "RotatedDigits")} == {6}
     assert sweep_jobs.num_environments("ColoredMNIST") == 3
     assert sweep_jobs.num_environments("PACS") == 4
-
 
 
 def test_the_command_runs_from_anywhere_as_a_module(tmp_path):
@@ -512,9 +521,7 @@ def method_jobs(tmp_path, argv):
     return make_jobs(parse_args(base + argv))
 
 
-def test_every_update_rule_and_objective_is_reachable_and_refusals_are_skipped(
-    tmp_path, capsys
-):
+def test_every_update_rule_and_objective_is_reachable_and_refusals_are_skipped(tmp_path, capsys):
     from sagm_jax import methods
 
     argv = ["--algorithms", *methods.UPDATE_RULES, "--objectives", *methods.OBJECTIVES]
@@ -601,8 +608,9 @@ def test_reduced_is_the_papers_space_on_resnets_and_around_lr_1e3_on_the_mnist_c
     assert swept(resnet) == sorted(product) and len(resnet) == 36
     # The ResNet grid names the same job folders as before it became per dataset.
     old = {"lr": lrs, "dropout": dropouts, "weight_decay": decays, "alpha": alphas}
-    same = jobs_for(tmp_path, algorithms=["sagm"], test_envs=["0"], trial_seeds=[0], grid=old,
-                    fixed={})
+    same = jobs_for(
+        tmp_path, algorithms=["sagm"], test_envs=["0"], trial_seeds=[0], grid=old, fixed={}
+    )
     assert {j.directory for j in resnet} == {j.directory for j in same}
     for dataset in ("RotatedMNIST", "ColoredMNIST", "RotatedDigits"):
         mnist = preset_jobs(tmp_path, [dataset], ["sagm", "erm"], ["--hparams", "reduced"])
@@ -625,15 +633,17 @@ def test_swad_grid_is_18_points_searched_with_trial_seed_0_only(tmp_path, capsys
     )
     for dataset, algorithm in itertools.product(("pacs", "domain_net"), ("erm", "sagm")):
         mine = [
-            j for j in jobs
+            j
+            for j in jobs
             if j.args["config"] == f"configs/{dataset}.py" and j.args["algorithm"] == algorithm
         ]
         assert swept(mine) == grid and len(mine) == 18
         assert {j.args["trial_seed"] for j in mine} == {j.args["seed"] for j in mine} == {0}
     preset_jobs(tmp_path, ["PACS"], ["erm"], ["--hparams", "swad"])
     assert capsys.readouterr().err == ""  # trial seed 0 asked for: nothing to say
-    code = sweep_main(["status", "--datasets", "RotatedMNIST", "--output_dir", str(tmp_path),
-                       "--hparams", "swad"])
+    code = sweep_main(
+        ["status", "--datasets", "RotatedMNIST", "--output_dir", str(tmp_path), "--hparams", "swad"]
+    )
     assert code == 2 and "for the ResNet datasets" in capsys.readouterr().err
 
 
@@ -650,13 +660,19 @@ def test_random_search_sets_each_jobs_hparams_seed_and_its_draws(tmp_path):
         own = set(args) - {*sweep_jobs.SWEEP_KEYS, "hparams_seed"}
         assert own == set(drawn) and all(args[k] == drawn[k] for k in own)
         assert f"--config.hparams_seed={seed}" in job.command()
-    pacs_erm = [j.args for j in jobs if j.args["config"] == "configs/pacs.py"
-                and j.args["algorithm"] == "erm"]
+    pacs_erm = [
+        j.args
+        for j in jobs
+        if j.args["config"] == "configs/pacs.py" and j.args["algorithm"] == "erm"
+    ]
     assert [a["hparams_seed"] for a in pacs_erm] == [0, 1, 2, 3] * 2
     # Setting 0 is DomainBed's defaults for ResNets, whichever the trial seed.
     for args in (a for a in pacs_erm if a["hparams_seed"] == 0):
         assert (args["lr"], args["batch_per_env"], args["weight_decay"], args["dropout"]) == (
-            5e-5, 32, 0.0, 0.0
+            5e-5,
+            32,
+            0.0,
+            0.0,
         )
     # The other settings are drawn per trial seed, as DomainBed's are.
     first, second = pacs_erm[1], pacs_erm[5]
@@ -681,8 +697,10 @@ def test_bad_preset_arguments_are_named(tmp_path, capsys):
         (["--hparams", "random", "--set", "hparams_seed=3"], "--set hparams_seed"),
         (["--hparams", "random", "--n_hparams", "0"], "--n_hparams 0"),
         (["--hparams", "reduced", "--n_hparams", "5"], "is for --hparams random"),
-        (["--hparams", "random", "--algorithms", "sagm", "--disam_lambdas", "0.1", "0.2"],
-         "give 0 and/or one positive value"),
+        (
+            ["--hparams", "random", "--algorithms", "sagm", "--disam_lambdas", "0.1", "0.2"],
+            "give 0 and/or one positive value",
+        ),
     ):
         out = sweep_main(["status", "--datasets", "PACS", "--output_dir", str(tmp_path), *argv])
         assert out == 2 and expected in capsys.readouterr().err, argv
@@ -694,7 +712,9 @@ def dry_run_args(out: str) -> list[dict]:
     for line in out.splitlines():
         if line.startswith("[") and "sagm_jax.main" in line:
             words = shlex.split(line.split("] ", 1)[1])
-            pairs = [w[len("--config.") :].split("=", 1) for w in words if w.startswith("--config.")]
+            pairs = [
+                w[len("--config.") :].split("=", 1) for w in words if w.startswith("--config.")
+            ]
             jobs.append({k: sweep_jobs.parse_value(v) for k, v in pairs})
     return jobs
 
