@@ -127,7 +127,8 @@ def test_missing_data_and_weights_files_are_named(tmp_path):
     message = flat(str(error.value))
     assert f"--config.data_dir={tmp_path}: it has no PACS/ folder" in message
     assert message.count("--config.pretrained_weights=w.pth: no such file") == 1
-    config.update(dict(dataset="ImageFolder", pretrained_weights="none"))
+    data = image_folder(tmp_path / "folder")
+    config.update(dict(dataset="ImageFolder", data_dir=data, pretrained_weights="none"))
     cli.preflight(config, str(tmp_path / "run"), ["main"])  # ImageFolder: data_dir itself
 
 
@@ -165,17 +166,20 @@ def test_a_stop_before_anything_was_written_says_so(tmp_path):
 
 
 def test_an_error_during_the_run_is_one_message(tmp_path):
-    for domain in ("a", "b"):  # class folders without images: found by the run's loader
+    for domain in ("a", "b"):  # an image that does not decode: found by the run's loader
         (tmp_path / "data" / domain / "x").mkdir(parents=True)
+        (tmp_path / "data" / domain / "x" / "0.png").write_text("not a PNG")
     result = main(
         f"--config={DIGITS}",
         f"--workdir={tmp_path / 'run'}",
         "--config.dataset=ImageFolder",
         f"--config.data_dir={tmp_path / 'data'}",
+        f"--config.cache_dir={tmp_path / 'cache'}",
     )
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr and "error:" in result.stderr
     assert "--traceback shows where" in result.stderr
+    assert "--config.skip_bad_files=True" in result.stderr
 
 
 OFFLINE = """
