@@ -404,12 +404,51 @@ def preflight(
     raise UsageError("\n".join(lines))
 
 
+# A problem's own fix, where it names one: the --config.KEY=VALUE words after its "use".
+_FIX = re.compile(r"\buse ((?:--config\.\w+=[^\s,;]+ ?)+)")
+
+
+def _typed(value: str, like):
+    """``value`` (a flag's text) as the type of the config value ``like``."""
+    if isinstance(like, bool):
+        return value == "True"
+    return type(like)(value) if isinstance(like, (int, float, str)) else value
+
+
+def _problem_fixes(config, device_count) -> dict[str, str]:
+    """``{KEY: VALUE}`` of the ``use --config.KEY=VALUE`` fixes the config's problems name
+    (a combination's: ``mixstyle=True`` on the MNIST CNN, an odd batch for crossdomain
+    MixStyle, ``perturbation=per_device`` with an objective), applied in turn to a copy
+    of the config, since one fix may raise another's problem (at most 3 rounds)."""
+    fixes, candidate = {}, ml_collections.ConfigDict(config.to_dict())
+    for _ in range(3):
+        problems = config_lib.config_problems(candidate, device_count)
+        problems += config_lib.device_batch_problems(
+            candidate, device_count, _listed_domains(candidate)
+        )
+        found = {}
+        for problem in problems:
+            if match := _FIX.search(problem):
+                for word in match.group(1).split():
+                    key, value = word[len("--config.") :].split("=", 1)
+                    found[key] = value.rstrip(".")
+        found = {k: v for k, v in found.items() if k in candidate and fixes.get(k) != v}
+        if not found:
+            break
+        for key, value in found.items():
+            candidate[key] = _typed(value, candidate[key])
+        fixes.update(found)
+    return fixes
+
+
 def _example(config, workdir: str, argv: Sequence[str], device_count) -> list[str]:
     """The user's arguments made a command that starts: without the overrides whose
     values failed their check (the config file's own values stand) or an unusable
-    ``--workdir``, with the base config's value for a file's own invalid one, and with
-    placeholders for the missing data and weights."""
-    invalid = {key for key, _ in config_lib.field_problems(config, device_count)}
+    ``--workdir``, with the base config's value for a file's own invalid one, the fixes
+    the problems name (:func:`_problem_fixes`), and placeholders for the missing data
+    and weights."""
+    fixes = _problem_fixes(config, device_count)
+    invalid = {key for key, _ in config_lib.field_problems(config, device_count)} | set(fixes)
     invalid |= {k for k in _given_keys(argv) if config_lib.unused_setting_problems(config, [k])}
     data = _data_problems(config)
     if any(p.startswith("config.test_envs=") for p in data):
@@ -428,9 +467,10 @@ def _example(config, workdir: str, argv: Sequence[str], device_count) -> list[st
             continue
         example.append(arg)
     defaults = config_lib.base_config()
-    for key in sorted(invalid - overridden):
+    for key in sorted(invalid - overridden - set(fixes)):
         if key in defaults and config.get(key) != defaults[key]:
             example.append(f"--config.{key}={flag_value(defaults[key])}")
+    example += [f"--config.{key}={value}" for key, value in fixes.items()]
     if data and not config.data_dir:
         example.append("--config.data_dir=DATA_DIR")
     if not config.pretrained_weights and config_lib.weights_problem(config):

@@ -431,6 +431,7 @@ def mnist_config(dataset: str) -> ml_collections.ConfigDict:
 
 from sagm_jax.config.combinations import (  # noqa: E402,F401  (the sweep's preflight's too)
     crossdomain_mixstyle_problems,
+    mixstyle_network_problems,
     device_batch_problems,
     method_problems,
     mldg_problem,
@@ -449,11 +450,7 @@ def config_problems(
     bounds ``num_devices``; ``check_files`` also looks for the weights file on this
     machine (the command line does, before a run)."""
     problems = [problem for _, problem in field_problems(config, device_count)]
-    if config.get("mixstyle") is True and config.get("arch") == "mnist_cnn":
-        problems.append(
-            "config.mixstyle=True: MixStyle sits between ResNet stages; "
-            "config.arch=mnist_cnn has none."
-        )
+    problems += mixstyle_network_problems(config)
     problems += method_problems(config) + crossdomain_mixstyle_problems(config)
     weights = weights_problem(config, check_files)
     return problems + ([weights] if weights else [])

@@ -73,14 +73,35 @@ def crossdomain_mixstyle_problems(config: ml_collections.ConfigDict) -> list[str
     problems = []
     if checks.is_int(batch) and batch % 2:
         problems.append(f"{flag} with config.batch_per_env={batch}: each domain's minibatch "
-                        "is cut in two halves; use an even batch_per_env.")
+                        f"is cut in two halves; use --config.batch_per_env={batch + 1} (even).")
     if config.get("perturbation") == "per_device":
         problems.append(f"{flag} with config.perturbation=per_device: a shard holds part of "
                         "each domain; use --config.perturbation=global.")
     if config.get("algorithm") in rule_names("procedure"):
         problems.append(f"{flag} with config.algorithm={config.get('algorithm')}: the "
-                        "procedures forward in passes of their own; use another update rule.")
+                        "procedures forward in passes of their own; use --config.algorithm=erm "
+                        "or another update rule.")
     return problems
+
+
+def mixstyle_network_problems(config: ml_collections.ConfigDict) -> list[str]:
+    """MixStyle sits between ResNet stages, so ``mixstyle=True`` needs a ResNet; for the
+    offline default's MNIST CNN the fix is a ResNet-18 from scratch (no ImageNet weights
+    to download), its BatchNorm trained (the procedures keep theirs frozen), on inputs of
+    at least ``checks.RESNET_STRIDE`` pixels (README "MixStyle offline")."""
+    if not (config.get("mixstyle") is True and config.get("arch") == "mnist_cnn"):
+        return []
+    fix = "--config.arch=resnet18 --config.pretrained_weights=none"
+    if config.get("algorithm") not in rule_names("procedure"):
+        fix += " --config.freeze_batchnorm=False"
+    size = config.get("image_size")
+    if checks.is_int(size) and size < checks.RESNET_STRIDE:
+        fix += f" --config.image_size={checks.RESNET_STRIDE}"
+    return [
+        "config.mixstyle=True: MixStyle sits between ResNet stages; config.arch=mnist_cnn has "
+        f"none. To try it offline use {fix} (a ResNet-18 from scratch; README 'MixStyle "
+        "offline')."
+    ]
 
 
 def training_environments(
