@@ -17,7 +17,13 @@ import optax
 import pytest
 
 from sagm_jax.results import selection
-from sagm_jax.training.checkpoints import Checkpoints, restore_variables, saved_steps
+from sagm_jax.training.checkpoints import (
+    Checkpoints,
+    DamagedCheckpointError,
+    restore_variables,
+    saved_steps,
+    stored_training_metrics,
+)
 from sagm_jax.training.train_step import TrainState, create_train_state
 
 
@@ -321,3 +327,127 @@ def test_what_orbax_logs_during_a_save_that_succeeds_is_still_logged(
         "a retried write"
     ]
     assert saved_steps(str(tmp_path)) == [0]
+
+
+# --- pruning across kills, damaged checkpoints ------------------------------------------
+
+KILLED_WHILE_PRUNING = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[2])
+from test_checkpoints import Checkpoints, state_at
+checkpoints = Checkpoints(sys.argv[1])
+checkpoints.save(0, state_at(0), 0.5)  # the best
+checkpoints.save(10, state_at(10), 0.25)  # the latest, which the next save prunes
+unlink, removed = os.unlink, []
+
+def unlink_then_die(path, *args, **kwargs):  # SIGKILL once 3 of step 10's files are gone
+    unlink(path, *args, **kwargs)
+    removed.append(path)
+    if len(removed) == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+os.unlink = unlink_then_die
+checkpoints.save(20, state_at(20), 0.125)
+"""
+
+
+def test_a_kill_while_pruning_leaves_exactly_the_latest_and_the_best(tmp_path, caplog):
+    """SIGKILL in the middle of removing the pruned step 10 (a real kill, in a process of
+    its own): readers see exactly 0 (the best) and 20 (the latest), a missing step is an
+    error listing those, and the next start removes what the kill left."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_WHILE_PRUNING, str(tmp_path), tests],
+        capture_output=True, text=True, env={**os.environ, "XLA_FLAGS": ""}, timeout=120,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    with caplog.at_level(logging.WARNING):
+        assert saved_steps(str(tmp_path)) == [0, 20]
+        missing = r"no checkpoint of step 10 \(it holds the steps \[0, 20\]\)"
+        with pytest.raises(FileNotFoundError, match=missing):
+            restore_variables(str(tmp_path), 10)
+        assert_same_values(restore_variables(str(tmp_path), 20)["params"], state_at(20).params)
+    assert [r.getMessage() for r in caplog.records] == []  # no "Metadata file does not exist"
+    Checkpoints(str(tmp_path))  # a relaunch
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["0", "20"]
+
+
+def test_a_step_half_deleted_in_place_is_no_step_and_is_swept_at_start(tmp_path, caplog):
+    """What a kill during an earlier version's pruning left (``10/default/`` emptied, its
+    ``_CHECKPOINT_METADATA`` gone): readers do not list it or warn about it; the next
+    start removes it, and the run then keeps the latest and the best."""
+    save_all(tmp_path, {0: 0.5, 10: 0.25})
+    os.makedirs(tmp_path / "checkpoints" / "5" / "default")
+    with caplog.at_level(logging.WARNING):
+        assert saved_steps(str(tmp_path)) == [0, 10]
+        with pytest.raises(FileNotFoundError, match=r"step 5 \(it holds the steps \[0, 10\]\)"):
+            restore_variables(str(tmp_path), 5)
+    assert [r.getMessage() for r in caplog.records] == []
+    checkpoints = Checkpoints(str(tmp_path))
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["0", "10"]
+    checkpoints.save(20, state_at(20), 0.125)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["0", "20"]
+
+
+def damage(workdir, step):
+    """Truncates the data files of checkpoint ``step`` (``d/`` folders: a state this small
+    is stored in the b-tree nodes themselves) to half their size, as a copy cut short or a
+    failing disk would."""
+    for root, _, names in os.walk(workdir / "checkpoints" / str(step) / "default"):
+        if os.path.basename(root) == "d":
+            for name in names:
+                path = os.path.join(root, name)
+                os.truncate(path, os.path.getsize(path) // 2)
+
+
+def test_a_damaged_latest_is_set_aside_and_the_newest_that_reads_restored(tmp_path, capsys):
+    save_all(tmp_path, {0: 0.75, 2: 0.25})
+    damage(tmp_path, 2)
+    checkpoints = Checkpoints(str(tmp_path))
+    restored = checkpoints.restore_latest(state_at(99))
+    assert_same_values(restored, state_at(0))
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["0", "2.damaged"]
+    assert checkpoints.latest_step() == 0 and saved_steps(str(tmp_path)) == [0]
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1, err
+    assert "step 2 (" in err and "kept aside as 2.damaged" in err and "from step 0" in err
+    checkpoints.save(2, state_at(2), 0.25)  # the run trains step 2 again
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["0", "2", "2.damaged"]
+
+
+def test_where_no_checkpoint_reads_one_paragraph_names_the_folder(tmp_path):
+    save_all(tmp_path, {0: 0.75, 2: 0.25})
+    damage(tmp_path, 0)
+    damage(tmp_path, 2)
+    with pytest.raises(DamagedCheckpointError) as raised:
+        Checkpoints(str(tmp_path)).restore_latest(state_at(99))
+    message = str(raised.value)
+    assert isinstance(raised.value, OSError)  # the command line prints it alone
+    assert "\n" not in message and len(message) < 1500
+    directory = tmp_path / "checkpoints"
+    assert message.startswith(f"no checkpoint in {directory} can be read (step 2: ")
+    assert "; step 0: " in message and f"mv {directory} {directory}.damaged" in message
+    assert sorted(os.listdir(directory)) == ["0", "2"]  # nothing moved
+
+
+def test_restore_variables_names_a_damaged_step_and_the_steps_that_read(tmp_path):
+    save_all(tmp_path, {0: 0.75, 2: 0.25, 4: 0.5})  # keeps 0 and 4
+    damage(tmp_path, 4)
+    with pytest.raises(DamagedCheckpointError) as raised:
+        restore_variables(str(tmp_path), 4)
+    message = str(raised.value)
+    assert message.startswith(
+        f"{tmp_path / 'checkpoints' / '4'}: the checkpoint of step 4 is damaged and cannot "
+        "be read (ValueError: "
+    ), message
+    assert message.endswith("The steps that read: [0].") and "\n" not in message
+
+
+def test_the_training_metrics_are_kept_with_the_checkpoint(tmp_path):
+    checkpoints = Checkpoints(str(tmp_path))
+    checkpoints.save(0, state_at(0), 0.5, {"loss": 2.25, "penalty": 0.125})
+    checkpoints.save(2, state_at(2), 0.25)  # saved without them (an earlier version)
+    assert checkpoints.training_metrics(0) == {"loss": 2.25, "penalty": 0.125}
+    assert stored_training_metrics(str(tmp_path), 0) == {"loss": 2.25, "penalty": 0.125}
+    assert checkpoints.training_metrics(2) is None
+    assert stored_training_metrics(str(tmp_path), 4) is None
