@@ -4,8 +4,9 @@ Each job's config is built as its run builds it: its config file loaded from the
 repository (the jobs run there), then each ``--config.KEY=VALUE`` of the job's command
 parsed by ml-collections' own flag parser and set. Each config then goes through the
 checks of the command line before a run: ``sagm_jax.cli.check_overrides`` (unknown
-keys) and ``sagm_jax.config.config_problems`` (values, and combinations that are not
-methods); what depends on this machine's files (data, weights) is left to the run.
+keys), ``sagm_jax.config.config_problems`` (values, and combinations that are not
+methods) and ``sagm_jax.config.unused_setting_problems`` (a ``--set`` of one method's
+hyperparameter for a job of another method); what depends on this machine's files (data, weights) is left to the run.
 A config file is loaded once, a key looked up and a value parsed once per file, so a
 sweep of thousands of jobs is checked in seconds.
 
@@ -178,10 +179,13 @@ def check_jobs(jobs: list[Job], flags: Flags = Flags({}, {})) -> Report:
             if not problems and config_lib.mldg_problem(config):
                 report.skipped.append((job, _mldg_reason(config)))
                 continue
-            frozen = (job.args["config"], repr(sorted(config.items())))
+            given = sorted(key for key in job.args if key != "config")
+            frozen = (job.args["config"], repr(sorted(config.items())), tuple(given))
             if frozen not in checked:
                 checked[frozen] = [
-                    (tuple(NAMED_KEY.findall(p)), p) for p in config_lib.config_problems(config)
+                    (tuple(NAMED_KEY.findall(p)), p)
+                    for p in config_lib.config_problems(config)
+                    + config_lib.unused_setting_problems(config, given)
                 ]
             problems = problems + checked[frozen]
         for keys, problem in problems:

@@ -56,3 +56,18 @@ def test_an_mldg_split_that_cannot_fit_leaves_out_its_jobs_one_line_each(tmp_pat
     # The default split fits no job of ColoredMNIST: nothing is left to launch.
     assert sweep_main(argv[:5] + argv[-3:]) == 2
     assert "sweep: no job is left to run." in capsys.readouterr().err
+
+
+def test_a_set_of_one_methods_hyperparameter_names_the_jobs_of_another(tmp_path, capsys):
+    # `sagm_jax.main` refuses --config.alpha for a SAM run (alpha is SAGM's alone): the
+    # sweep says so before launching, naming the --set.
+    code, _, err, _ = run_sweep(
+        tmp_path, capsys, "--algorithms", "sam", "sagm", "--set", "alpha=5e-4", "--dry_run"
+    )
+    assert code == 2, err
+    assert ("--set alpha=5e-4: --config.alpha=0.0005: alpha is a hyperparameter of update "
+            "rule sagm, not of this run's objective erm and update rule sam") in err, err
+    code, _, err, _ = run_sweep(
+        tmp_path, capsys, "--algorithms", "sagm", "--set", "alpha=5e-4", "--dry_run"
+    )
+    assert code == 0, err
