@@ -4,8 +4,10 @@ Owns everything around the training call: ``--help`` (the flags, then every conf
 field with its value and meaning from :func:`sagm_jax.config.fields`); the checks of
 the command line before absl parses it (``--config`` missing or unreadable, unknown
 keys); the checks of the loaded config before anything heavy starts, which list every
-missing input at once with the flag that supplies it (data, weights files and their
-format, values, a workdir that cannot be made or written), and print its warnings; the
+missing input at once with the flag that supplies it (data and the layout of its
+folders, weights files and their format, values, a method's setting given for a run
+without the method, a batch the devices cannot share, a workdir that cannot be made or
+written), and print its warnings; the
 default run directory; one message and a non-zero exit instead of a traceback for the
 errors a user can fix; the message after Ctrl-C; and a quiet TensorFlow start-up.
 """
