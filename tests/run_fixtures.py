@@ -69,6 +69,7 @@ def assert_the_evaluation_reproduces_the_record(workdir, which):
     import jax.numpy as jnp
 
     from sagm_jax import data as data_lib
+    from sagm_jax.methods.networks import MethodModel
     from sagm_jax.training import evaluation, loading
     from sagm_jax.training.rundir import read_config
 
@@ -80,16 +81,19 @@ def assert_the_evaluation_reproduces_the_record(workdir, which):
     dataset = data_lib.load("RotatedDigits", None, trial_seed=0, data_seed=0)
     evaluate = evaluation.make_eval_step(model, jnp.float32, config["seed"],
                                          config["image_size"])
-    apply = jax.jit(lambda v, x: model.apply(v, x, train=False))
+    extra = (lambda key: {"key": key}) if isinstance(model, MethodModel) else (lambda key: {})
+    apply = jax.jit(lambda v, x, key: model.apply(v, x, train=False, **extra(key)))
     unpadded = 0
     for env, part in ((0, "in"), (0, "out"), (1, "out")):
         correct = counted = 0
-        for b in dataset.eval_iterator(env, part, batch_size=config["eval_batch_size"],
-                                       batch_multiple=jax.device_count()):
-            hits, rows, _ = evaluate(variables["params"], variables["batch_stats"], b)
+        batches = dataset.eval_iterator(env, part, batch_size=record["eval_batch_size"],
+                                        batch_multiple=jax.device_count())
+        for k, b in enumerate(batches):
+            key = evaluation.batch_key(config["seed"], env, part, k)
+            hits, rows, _ = evaluate(variables["params"], variables["batch_stats"], b, key)
             correct, counted = correct + int(hits), counted + int(rows)
             if np.all(b["mask"]):
-                logits = apply(variables, jnp.asarray(b["image"], jnp.float32))
+                logits = apply(variables, jnp.asarray(b["image"], jnp.float32), key)
                 ours = np.argmax(np.asarray(logits), -1) == np.asarray(b["label"])
                 assert int(ours.sum()) == int(hits)
                 unpadded += 1

@@ -48,9 +48,13 @@ CONTEXT_WIDTHS = (64, 64, 1)
 CONTEXT_KERNEL = 5
 BATCHNORM_EPS = 1e-5  # torch's BatchNorm2d
 BATCHNORM_MOMENTUM = 0.1  # torch's: running <- (1 - 0.1) running + 0.1 batch
-# MTL's N(0, 1) embedding at evaluation, where the reference draws torch's global
-# generator, comes from this fixed key: an evaluation is deterministic.
+# MTL's N(0, 1) embedding at evaluation, where the reference draws afresh from torch's
+# global generator in every call, comes from the key the evaluator folds for each batch
+# (``evaluation.batch_key``, from this seed): fresh in every batch, yet deterministic.
+# A caller that passes no key (a plain ``model.apply``) draws from PRNGKey(EVAL_NOISE_SEED).
 EVAL_NOISE_SEED = 0
+# DomainBed's ``misc.accuracy`` predicts its eval loaders' sequential batches of 64.
+REFERENCE_EVAL_BATCH = 64
 
 
 def torch_uniform(key, shape, fan_in: int) -> jax.Array:
@@ -186,7 +190,7 @@ register_objective(Objective(
     _erm,
     label_alone=True,
     network=MethodNetwork(init=_arm_init, predict=_arm_predict, extra_input_channels=1,
-                          uses_mask=True,
+                          uses_mask=True, eval_batch_size=REFERENCE_EVAL_BATCH,
                           frozen=lambda hp: ("context",) if hp["arm_context"] == "untrained"
                           else ()),
 ))
@@ -218,17 +222,17 @@ def _mtl_init(key, shapes, hp) -> dict:
             "batch_stats": {"embeddings": jnp.zeros((shapes.num_domains, d), jnp.float32)}}
 
 
-def _mtl_predict(base, own, images, train, hp, mask=None):
+def _mtl_predict(base, own, images, train, hp, mask=None, key=None):
     """Evaluation (``env=None``): the embedding is the mean feature of the evaluated
-    batch's real rows, replaced by N(0, 1) draws with ``mtl_embedding="noise"``; then
-    MTL's classifier. Training passes the network's output through: the objective
+    batch's real rows, replaced by N(0, 1) draws from ``key`` (the batch's) with
+    ``mtl_embedding="noise"``; then MTL's classifier. Training passes the network's output through: the objective
     computes the prediction (it needs the domains, E and the step's key)."""
     features, logits = base(images)
     if train:
         return (features, logits), None
     if hp["mtl_embedding"] == "noise":
-        embedding = jax.random.normal(jax.random.PRNGKey(EVAL_NOISE_SEED), features.shape,
-                                      jnp.float32)
+        key = jax.random.PRNGKey(EVAL_NOISE_SEED) if key is None else key
+        embedding = embedding_noise(key, features.shape)
     else:
         rows = jnp.zeros(features.shape[0], jnp.int32)
         embedding = group_mean(features, rows, 1, mask)
@@ -276,5 +280,6 @@ register_objective(Objective(
         "DomainBed (Blanchard et al. 2021)", (84.6, 77.2, 66.4, 45.6, 40.6, 62.9, "DomainBed")),
     _mtl,
     label_alone=True,
-    network=MethodNetwork(init=_mtl_init, predict=_mtl_predict, uses_mask=True),
+    network=MethodNetwork(init=_mtl_init, predict=_mtl_predict, uses_mask=True,
+                          uses_key=True, eval_batch_size=REFERENCE_EVAL_BATCH),
 ))

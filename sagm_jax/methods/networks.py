@@ -25,6 +25,13 @@ a :class:`MethodNetwork` in its registry entry (``Objective.network``):
 * ``uses_mask``: ``predict`` also takes ``mask=`` ([N] bool, False on an evaluation
   batch's padding rows, None when every row is real), for a prediction that pools over
   the batch (ARM, MTL); ``MethodModel.apply(..., mask=...)`` passes it on.
+* ``uses_key``: ``predict`` also takes ``key=``, the PRNG key of an evaluation batch's
+  draws (MTL's noise; the evaluator folds one per batch, ``evaluation.batch_key``; None
+  when the caller gives none); ``MethodModel.apply(..., key=...)`` passes it on.
+* ``eval_batch_size``: the evaluation batch of the reference, for a prediction that
+  depends on the evaluated batch (ARM, MTL: DomainBed's ``misc.accuracy`` runs its
+  loaders' batches of 64); the evaluator, ``load_run``'s example and the sharpness
+  curves use it when ``config.eval_batch_size`` is 0. None for a prediction per example.
 
 A procedure (``UpdateRule.network``; DANN's discriminator, SagNet's style network)
 declares its modules the same way; its update reads and steps them in ``params["method"]``
@@ -70,6 +77,8 @@ class MethodNetwork(NamedTuple):
     predict: Callable | None = None
     extra_input_channels: int = 0
     uses_mask: bool = False
+    uses_key: bool = False
+    eval_batch_size: int | None = None
     # ``frozen(hp) -> keys`` of ``params["method"]`` the method never trains (ARM's
     # untrained context network): its loss stops their gradient, and the optimizer's
     # weight decay leaves them out (``decay_mask``), so they stay exactly at init.
@@ -125,7 +134,8 @@ class MethodModel:
     network's Flax ``apply`` (``variables, images, train, features, mutable``, the rest
     passed through) and returns what it returns, with the method's variables under
     ``OWN``; the method's BatchNorm statistics update in training mode. ``mask`` ([N]
-    bool, False on padding rows) reaches a ``predict`` that ``uses_mask``."""
+    bool, False on padding rows) reaches a ``predict`` that ``uses_mask``, ``key`` (an
+    evaluation batch's PRNG key) one that ``uses_key``."""
 
     def __init__(self, model, network: MethodNetwork, hp: dict):
         self.model, self.network, self.hp = model, network, hp
@@ -134,7 +144,7 @@ class MethodModel:
         self.trains_statistics = True
 
     def apply(self, variables, images, *, train: bool = False, features: bool = False,
-              mutable: Any = False, mask=None, **kwargs):
+              mutable: Any = False, mask=None, key=None, **kwargs):
         base_variables, own = split_variables(variables)
         updates = {}
 
@@ -150,6 +160,7 @@ class MethodModel:
             return out
 
         extra = {"mask": mask} if self.network.uses_mask else {}
+        extra.update({"key": key} if self.network.uses_key else {})
         (feats, logits), own_stats = self.network.predict(base, own, images, train, self.hp,
                                                           **extra)
         out = (feats, logits) if features else logits

@@ -1,7 +1,7 @@
 """Evaluation: the accuracy and loss of a train state on the split parts a run evaluates.
 
-``Evaluator(state) -> {'env{i}_{part}_acc': accuracy, 'env{i}_{part}_loss': loss}`` for
-the parts ``evaluated_parts`` selects (``config.eval_splits``: "fast", the default, is
+``Evaluator(state) -> {'env{i}_{part}_acc': accuracy, 'env{i}_{part}_loss': loss,
+'eval_batch_size': the batch it predicted in}`` for the parts ``evaluated_parts`` selects (``config.eval_splits``: "fast", the default, is
 what the selection methods read; "all" is every part of every environment, DomainBed's
 records), over EVERY example of each part (padding of the last batch is masked out), in
 eval mode and in the compute dtype; the loss is the mean cross-entropy per example
@@ -31,6 +31,7 @@ import numpy as np
 
 from sagm_jax.data import device_augment
 from sagm_jax.data.pipeline import prefetch_to_mesh
+from sagm_jax.methods.adaptive import EVAL_NOISE_SEED
 from sagm_jax.methods.networks import MethodModel
 from sagm_jax.methods.objectives import per_example_cross_entropy
 from sagm_jax.training.train_step import apply_model
@@ -57,34 +58,61 @@ def evaluated_parts(splits: list[dict], train_envs, eval_splits: str) -> list[tu
     ]
 
 
-def batch_size(config, num_devices: int, platform: str) -> int:
-    """``config.eval_batch_size``, or for 0 the throughput default: 128 per device on a
+def batch_size(config, num_devices: int, platform: str, model=None) -> int:
+    """``config.eval_batch_size``; for 0, the reference's evaluation batch that a method
+    whose prediction depends on the evaluated batch declares (``model`` a
+    ``MethodModel`` whose ``MethodNetwork.eval_batch_size`` is set: ARM's and MTL's 64,
+    DomainBed's), else the throughput default: 128 per device on a
     CPU, where larger batches gain nothing (measured, ResNet-18 forward at 112x112 on the
     2-core development CPU: 69, 66 and 55 images/s at batch 32, 128 and 512), and 512 per
     GPU or TPU, where a convolution's throughput grows with the batch (not yet measured
     on a GPU: ``experiments/device_report.py --sections eval`` does it)."""
     if config.eval_batch_size:
         return int(config.eval_batch_size)
+    declared = model.network.eval_batch_size if isinstance(model, MethodModel) else None
+    if declared:
+        return int(declared)
     return (128 if platform == "cpu" else 512) * num_devices
 
 
+PARTS = ("in", "out", "test")
+
+
+def batch_key(seed, env: int, part: str, index: int) -> jax.Array:
+    """The PRNG key of a prediction's draws (MTL's noise) on batch ``index`` of part
+    ``part`` of environment ``env`` in a run of seed ``seed``:
+    ``fold_in(fold_in(fold_in(fold_in(PRNGKey(EVAL_NOISE_SEED), seed), env), p), index)``,
+    p the part's place in :data:`PARTS`. Each batch draws afresh (as the reference's
+    every call), the same at every evaluation of the run, so a record is reproducible."""
+    key = jax.random.PRNGKey(EVAL_NOISE_SEED)
+    for value in (seed, env, PARTS.index(part), index):
+        key = jax.random.fold_in(key, value)
+    return key
+
+
 def make_eval_step(model, compute_dtype, seed: int = 0, image_size: int = 224):
-    """Jitted ``eval_step(params, batch_stats, batch) -> (correct, counted, loss_sum)``."""
+    """Jitted ``eval_step(params, batch_stats, batch, key=None) -> (correct, counted,
+    loss_sum)``; ``key`` (:func:`batch_key`) draws the prediction's noise (MTL's), None
+    the fixed key of ``adaptive.EVAL_NOISE_SEED``."""
     step = seeded_eval_step(model, compute_dtype, image_size)
-    return lambda params, batch_stats, batch: step(params, batch_stats, batch, seed)
+    fixed = jax.random.PRNGKey(EVAL_NOISE_SEED)
+    return lambda params, batch_stats, batch, key=None: step(
+        params, batch_stats, batch, seed, fixed if key is None else key
+    )
 
 
 def seeded_eval_step(model, compute_dtype, image_size: int = 224):
-    """Jitted ``eval_step(params, batch_stats, batch, seed) -> (correct, counted,
+    """Jitted ``eval_step(params, batch_stats, batch, seed, key) -> (correct, counted,
     loss_sum)``; ``seed`` (traced) draws the augmentation of augmented validation
-    batches, so the runs of a pack share one compiled evaluation."""
+    batches, so the runs of a pack share one compiled evaluation; ``key`` the batch's
+    draws of a prediction that uses one (:func:`batch_key`)."""
 
-    def eval_step(params, batch_stats, batch, seed):
+    def eval_step(params, batch_stats, batch, seed, key):
         batch = device_augment.model_inputs(
             batch, seed, 0, image_size, stream=device_augment.EVAL_STREAM
         )
         # A prediction that pools over the batch (ARM, MTL) leaves the padding rows out.
-        pooled = {"mask": batch["mask"]} if isinstance(model, MethodModel) else {}
+        pooled = {"mask": batch["mask"], "key": key} if isinstance(model, MethodModel) else {}
         logits = apply_model(model, params, batch_stats, batch["image"], compute_dtype, **pooled)
         correct = (jnp.argmax(logits, -1) == batch["label"]) & batch["mask"]
         losses = per_example_cross_entropy(logits, batch["label"])
@@ -152,14 +180,15 @@ class Evaluator:
         self.dataset, self.mesh, self.config = dataset, mesh, config
         self.train_envs = list(train_envs)
         self.parts = evaluated_parts(dataset.splits, self.train_envs, config.eval_splits)
-        self.batch_size = batch_size(config, mesh.devices.size, mesh.devices.flat[0].platform)
+        self.batch_size = batch_size(config, mesh.devices.size, mesh.devices.flat[0].platform,
+                                     model)
         # A ``seeded_eval_step``; the runs of a pack that predict alike share one
         # (``sagm_jax.training.packed``), compiled once.
         self.shared_step = seeded_eval_step(
             model, jnp.dtype(config.compute_dtype), config.image_size
         )
-        self.step = lambda params, batch_stats, batch: self.shared_step(
-            params, batch_stats, batch, config.seed
+        self.step = lambda params, batch_stats, batch, key: self.shared_step(
+            params, batch_stats, batch, config.seed, key
         )
         self._kept: dict[tuple[int, str], list | None] = {}  # None: read again each time
         self._room: dict[str, int] | None = None  # bytes left per place, from the first call
@@ -225,11 +254,13 @@ class Evaluator:
     def __call__(self, state) -> dict:
         if self._room is None:
             self._room = residency_budgets(self.config, self.mesh.devices.flat[0])
-        results = {}
+        # The records say which batch predicted (ARM's and MTL's prediction depends on it).
+        results = {"eval_batch_size": self.batch_size}
         for env, part in self.parts:
             sums = [
-                self.step(state.params, state.batch_stats, batch)
-                for batch in self._inputs(env, part)
+                self.step(state.params, state.batch_stats, batch,
+                          batch_key(self.config.seed, env, part, index))
+                for index, batch in enumerate(self._inputs(env, part))
             ]
             correct, counted, loss = (sum(float(s[i]) for s in sums) for i in range(3))
             results[f"env{env}_{part}_acc"] = correct / counted

@@ -12,6 +12,7 @@ import types
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
@@ -78,6 +79,7 @@ def test_each_mode_counts_every_example_of_its_parts_once_and_the_modes_agree(sp
         assert mesh.devices.size == 8 and config.eval_batch_size % 8 == 0
         evaluator = Evaluator(model, dataset, mesh, config, train_envs=[1, 2, 3, 4, 5])
         accuracies = evaluator(state)
+        assert accuracies.pop("eval_batch_size") == config.eval_batch_size
         expected = {}
         for env, part in wanted:
             indices = dataset.splits[env][part]
@@ -148,3 +150,54 @@ def test_an_empty_split_part_is_refused_when_the_evaluator_is_built():
     mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
     with pytest.raises(ValueError, match=r"Empty split parts: env0 \(0\) 'out'"):
         Evaluator(Linear(), dataset, mesh, config, train_envs=[1, 2, 3, 4, 5])
+
+
+class Featurizer(nn.Module):
+    """features = tanh(flatten(x) @ body), logits = features @ classifier (MTL's base)."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = False, features: bool = False):
+        del train
+        h = jnp.tanh(nn.Dense(8, name="body")(x.reshape((x.shape[0], -1))))
+        logits = nn.Dense(10, name="classifier")(h)
+        return (h, logits) if features else logits
+
+
+def test_mtl_evaluation_draws_fresh_noise_for_every_batch(monkeypatch):
+    """MTL's N(0, 1) embedding at evaluation, as the evaluator draws it over the parts of
+    RotatedDigits in batches of 64 (DomainBed's ``MTL.predict`` draws afresh in every
+    call): no row of draws repeats across the batches and parts, the draws are N(0, 1)
+    (Kolmogorov-Smirnov), and a second evaluation draws exactly the same (deterministic)."""
+    from scipy import stats
+
+    from sagm_jax import methods
+    from sagm_jax.methods import adaptive, networks
+
+    draws = []
+    drawn = adaptive.embedding_noise
+
+    def recorded(key, shape):
+        z = drawn(key, shape)
+        jax.debug.callback(lambda v: draws.append(np.asarray(v)), z)
+        return z
+
+    monkeypatch.setattr(adaptive, "embedding_noise", recorded)
+    config = digits_config(objective="mtl")
+    dataset = data_lib.from_config(config)
+    entry = methods.objective("mtl")
+    hp = {"mtl_ema": 0.99, "mtl_embedding": "noise", networks.BATCH_PER_ENV: 8}
+    net = Featurizer()
+    variables = net.init(jax.random.key(0), jnp.zeros((1, 28, 28, 1)))
+    own = entry.network.init(jax.random.key(1), networks.Shapes((28, 28, 1), 8, 10, 5), hp)
+    variables = networks.with_method_variables(dict(variables), own)
+    model = networks.MethodModel(net, entry.network, hp)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
+    evaluator = Evaluator(model, dataset, mesh, config, train_envs=[1, 2, 3, 4, 5])
+    state = types.SimpleNamespace(params=variables["params"], batch_stats={}, step=10)
+    evaluator(state)
+    first, draws[:] = list(draws), []
+    evaluator(state)
+    assert len(first) >= 10 and all(np.array_equal(a, b) for a, b in zip(first, draws))
+    rows = np.concatenate(first)
+    assert len({r.tobytes() for r in rows}) == len(rows), "a row of draws repeats"
+    assert stats.kstest(rows.ravel(), "norm").pvalue > 1e-3
