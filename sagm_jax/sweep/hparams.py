@@ -28,7 +28,8 @@ DomainBed name     ResNet datasets                  MNIST-like datasets
 =================  ===============================  =============================
 lr                 5e-5; 10^U(-5, -3.5)             1e-3; 10^U(-4.5, -2.5)
 batch_size         32; int(2^U(3, 5.5)),            64; int(2^U(3, 9))
-                   DomainNet int(2^U(3, 5))
+                   DomainNet int(2^U(3, 5));
+                   ARM fixed 8 (default and draws)
 weight_decay       0; 10^U(-6, -2)                  0; fixed 0
 resnet_dropout     0; choice {0, 0.1, 0.5}          not drawn (no ResNet)
 =================  ===============================  =============================
@@ -87,6 +88,9 @@ MNIST_METHOD_HPARAMS = {
 }
 
 DISAM_DRAW = log_uniform(-2, 0)
+# DomainBed's ``batch_size`` of an objective outside SMALL_IMAGES, default and every draw:
+# ARM's 8 (its ``hparams_registry``: ``elif algorithm == 'ARM'``, before DomainNet's).
+FIXED_IMAGE_BATCH = {"arm": 8}
 
 
 def seed_hash(*args) -> int:
@@ -100,9 +104,10 @@ def is_mnist_like(dataset: str) -> bool:
     return registry.get_spec(dataset).kind == "array"
 
 
-def shared_hparams(dataset: str) -> tuple[Hyperparameter, ...]:
+def shared_hparams(dataset: str, objective: str = "erm") -> tuple[Hyperparameter, ...]:
     """lr, batch_per_env, weight_decay and dropout of ``dataset`` with DomainBed's
-    defaults and distributions (the module's table)."""
+    defaults and distributions (the module's table); ``batch_per_env`` fixed at
+    :data:`FIXED_IMAGE_BATCH` for its objectives (ARM's 8) outside the MNIST-like ones."""
     if is_mnist_like(dataset):
         return (
             Hyperparameter("lr", 1e-3, "", "", log_uniform(-4.5, -2.5)),
@@ -110,9 +115,13 @@ def shared_hparams(dataset: str) -> tuple[Hyperparameter, ...]:
             Hyperparameter("weight_decay", 0.0, "", "", fixed(0.0)),
         )
     high = 5 if dataset == "DomainNet" else 5.5
+    batch = Hyperparameter("batch_per_env", 32, "", "", log_uniform(3, high, integer=True, base=2))
+    if objective in FIXED_IMAGE_BATCH:
+        size = FIXED_IMAGE_BATCH[objective]
+        batch = batch._replace(default=size, distribution=fixed(size))
     return (
         Hyperparameter("lr", 5e-5, "", "", log_uniform(-5, -3.5)),
-        Hyperparameter("batch_per_env", 32, "", "", log_uniform(3, high, integer=True, base=2)),
+        batch,
         Hyperparameter("weight_decay", 0.0, "", "", log_uniform(-6, -2)),
         Hyperparameter("dropout", 0.0, "", "", choice((0.0, 0.1, 0.5))),
     )
@@ -135,7 +144,7 @@ def searched_hparams(
         own = [h._replace(default=MNIST_METHOD_HPARAMS[h.key][0],
                           distribution=MNIST_METHOD_HPARAMS[h.key][1])
                if h.key in MNIST_METHOD_HPARAMS else h for h in own]
-    return shared_hparams(dataset) + tuple(h for h in own if h.distribution is not None)
+    return shared_hparams(dataset, objective) + tuple(h for h in own if h.distribution is not None)
 
 
 def random_hparams(

@@ -188,3 +188,37 @@ def test_bad_arguments_are_named():
         random_hparams("erm", "PACS", -1, 0)
     with pytest.raises(ValueError, match="Unknown dataset"):
         random_hparams("erm", "Nope", 1, 0)
+
+
+def test_arm_batch_is_domainbeds_fixed_8_on_image_datasets():
+    """DomainBed's ``hparams_registry``: ARM's ``batch_size`` is 8, default and every draw,
+    on the datasets outside SMALL_IMAGES (DomainNet included); on the MNIST-like ones ARM
+    draws the shared int(2^U(3, 9)), as every method."""
+    for dataset in ("PACS", "VLCS", "OfficeHome", "TerraIncognita", "DomainNet"):
+        for seed in range(6):
+            for trial in range(2):
+                arm = random_hparams("erm", dataset, seed, trial, objective="arm")
+                assert arm["batch_per_env"] == 8, (dataset, seed, trial)
+    for seed in range(6):
+        arm = random_hparams("erm", "RotatedDigits", seed, 0, objective="arm")
+        erm = random_hparams("erm", "RotatedDigits", seed, 0)
+        assert arm["batch_per_env"] == erm["batch_per_env"]
+    assert random_hparams("erm", "PACS", 3, 0)["batch_per_env"] != 8  # others draw it
+
+
+def test_eval_batch_default_is_the_declared_reference_batch():
+    """``eval_batch_size`` 0: ARM's and MTL's reference batch (DomainBed's 64), the
+    throughput default (128 per CPU device) for a network that predicts per example; a
+    set value wins."""
+    import types
+
+    from sagm_jax import methods
+    from sagm_jax.methods import networks
+    from sagm_jax.training.evaluation import batch_size
+
+    config = types.SimpleNamespace(eval_batch_size=0)
+    for name in ("arm", "mtl"):
+        model = networks.MethodModel(None, methods.objective(name).network, {})
+        assert batch_size(config, 1, "cpu", model) == 64
+        assert batch_size(types.SimpleNamespace(eval_batch_size=16), 1, "cpu", model) == 16
+    assert batch_size(config, 1, "cpu", object()) == 128
