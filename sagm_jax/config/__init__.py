@@ -198,7 +198,7 @@ FIELDS: dict[str, tuple[Field, ...]] = {
             "mixstyle_after", MIXSTYLE_STAGES, "ResNet stages followed by MixStyle", checks.stages
         ),
         # The MixStyle paper and SWAD's repository use p 0.5; the SAGM repository's
-        # ResNet-50 builder sets p 1 (docs/protocol.md).
+        # random-MixStyle ResNet-50 builder sets p 1, its Mixstyle2 ones 0.5 (docs/methods.md).
         Field(
             "mixstyle_p",
             0.5,

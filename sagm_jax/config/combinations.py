@@ -88,7 +88,7 @@ def mixstyle_network_problems(config: ml_collections.ConfigDict) -> list[str]:
     """MixStyle sits between ResNet stages, so ``mixstyle=True`` needs a ResNet; for the
     offline default's MNIST CNN the fix is a ResNet-18 from scratch (no ImageNet weights
     to download), its BatchNorm trained (the procedures keep theirs frozen), on inputs of
-    at least ``checks.RESNET_STRIDE`` pixels (README "MixStyle offline")."""
+    at least ``checks.RESNET_STRIDE`` pixels (docs/methods.md, "MixStyle offline")."""
     if not (config.get("mixstyle") is True and config.get("arch") == "mnist_cnn"):
         return []
     fix = "--config.arch=resnet18 --config.pretrained_weights=none"
@@ -99,8 +99,8 @@ def mixstyle_network_problems(config: ml_collections.ConfigDict) -> list[str]:
         fix += f" --config.image_size={checks.RESNET_STRIDE}"
     return [
         "config.mixstyle=True: MixStyle sits between ResNet stages; config.arch=mnist_cnn has "
-        f"none. To try it offline use {fix} (a ResNet-18 from scratch; README 'MixStyle "
-        "offline')."
+        f"none. To try it offline use {fix} (a ResNet-18 from scratch; docs/methods.md, "
+        "'MixStyle offline')."
     ]
 
 
