@@ -35,6 +35,7 @@ from sagm_jax.training import evaluation
 from sagm_jax.training import loading
 from sagm_jax.training import rundir
 from sagm_jax.cli import quiet_tensorflow_import
+from sagm_jax.methods.networks import MethodModel
 from sagm_jax.methods.registry import method_label
 from sagm_jax.results.sharpness import sharpness
 from sagm_jax.training.train_step import apply_model, per_example_cross_entropy
@@ -66,14 +67,17 @@ def restore_run(workdir: str, checkpoint: str):
 
 
 class TargetDomain:
-    """Every example of one environment, re-iterable (one pass per rho)."""
+    """Every example of one environment, re-iterable (one pass per rho), each batch with
+    ``key``, the evaluator's key of its draws (``evaluation.batch_key``: MTL's noise)."""
 
-    def __init__(self, dataset, env: int, batch_size: int):
-        self.dataset, self.env, self.batch_size = dataset, env, batch_size
+    def __init__(self, dataset, env: int, batch_size: int, seed: int = 0):
+        self.dataset, self.env, self.batch_size, self.seed = dataset, env, batch_size, seed
 
     def __iter__(self):
         for part in self.dataset.splits[self.env]:
-            yield from self.dataset.eval_iterator(self.env, part, batch_size=self.batch_size)
+            batches = self.dataset.eval_iterator(self.env, part, batch_size=self.batch_size)
+            for index, batch in enumerate(batches):
+                yield {**batch, "key": evaluation.batch_key(self.seed, self.env, part, index)}
 
 
 def _label(config, checkpoint: str) -> str:
@@ -88,17 +92,23 @@ def _label(config, checkpoint: str) -> str:
 def run_sharpness(workdir: str, rhos, checkpoint: str = "latest") -> list[dict]:
     config, dataset, model, variables, step = restore_run(workdir, checkpoint)
 
+    # A method's prediction (ARM, MTL) pools over the batch's real rows and draws from
+    # the batch's key, as the evaluator's; its batch is the one the records name.
+    pooled = isinstance(model, MethodModel)
+
     def loss_fn(params, batch):
+        extra = {"mask": batch["mask"], "key": batch["key"]} if pooled else {}
         logits = apply_model(
-            model, params, variables["batch_stats"], batch["image"], jnp.float32
+            model, params, variables["batch_stats"], batch["image"], jnp.float32, **extra
         )
         losses = per_example_cross_entropy(logits, batch["label"])
         return jnp.sum(losses * batch["mask"]), jnp.sum(batch["mask"])
 
+    size = evaluation.batch_size(config, 1, jax.default_backend(), model)
     entries = []
     for env in config.test_envs:
         result = sharpness(
-            loss_fn, variables["params"], TargetDomain(dataset, env, evaluation.batch_size(config, 1, jax.default_backend())), rhos
+            loss_fn, variables["params"], TargetDomain(dataset, env, size, config.seed), rhos
         )
         entries.append(
             {
@@ -107,6 +117,7 @@ def run_sharpness(workdir: str, rhos, checkpoint: str = "latest") -> list[dict]:
                 "algorithm": config.algorithm,
                 "method": _label(config, checkpoint),
                 "mixstyle": config.mixstyle,
+                "eval_batch_size": size,
                 "trial_seed": config.trial_seed,
                 "test_env": int(env),
                 "env_name": dataset.env_names[env],
