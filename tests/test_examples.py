@@ -154,3 +154,27 @@ def test_every_example_command_passes_the_checks(name, tmp_path):
         assert word in example, (word, example)
     config, workdir = parse(["main", *supplied(example, tmp_path)])
     cli.preflight(config, workdir or cli.default_workdir(config), ["main", *example], 1)
+
+
+def test_the_documented_mixstyle_offline_commands_pass_the_checks(tmp_path, monkeypatch):
+    """docs/methods.md's "MixStyle offline" block, command by command: the export runs
+    (it writes the image folder the next command reads), each run passes the checks."""
+    from sagm_jax.data import export
+
+    text = open(os.path.join(REPO, "docs", "methods.md")).read()
+    block = text.split("### MixStyle offline", 1)[1].split("```bash\n", 1)[1].split("```")[0]
+    lines = [line for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+    commands = [shlex.split(line) for line in lines if not line.startswith("#")]
+    monkeypatch.chdir(tmp_path)  # the commands name folders relative to where they run
+    runs = 0
+    for words in commands:
+        if words[:3] == ["python", "-m", "sagm_jax.data.export"]:
+            assert export.main(words[3:]) == 0
+            continue
+        assert words[:3] == ["python", "-m", "sagm_jax.main"], words
+        argv = ["main", *(w.replace("=configs/", f"={REPO}/configs/") for w in words[3:])]
+        assert "--config.mixstyle=True" in argv and "--config.arch=resnet18" in argv
+        config, workdir = parse(argv)
+        cli.preflight(config, workdir or cli.default_workdir(config), argv, 1)
+        runs += 1
+    assert runs == 2
