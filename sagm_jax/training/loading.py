@@ -32,7 +32,11 @@ def load_run(workdir: str, which: str | int = "best"):
     (a SWAD run's averaged model, with its swad.jsonl record). ``model``
     is the Flax module, ``variables`` its ``{'params', 'batch_stats'}``; apply it as
     ``model.apply(variables, images_nhwc, train=False)`` to images prepared as the run's
-    evaluation prepares them. ``record`` is the results.jsonl record of that step.
+    evaluation prepares them. ``record`` is the results.jsonl record of that step. A
+    prediction that depends on the evaluated batch (ARM, MTL) reproduces the record in
+    batches of ``record["eval_batch_size"]`` (the reference's 64 unless the run set it),
+    each with ``mask=`` (its real rows) and, for MTL's noise,
+    ``key=evaluation.batch_key(seed, env, part, index)``.
     Nothing of the optimizer is rebuilt, so any run (any algorithm, per-device
     perturbation included) loads the same way.
     """
