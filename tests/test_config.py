@@ -545,21 +545,38 @@ def test_swad_says_that_it_replaces_eval_every():
 @pytest.mark.parametrize(
     "given,values,expected",
     [
-        ({"miro_ld": 5.0}, {}, "--config.miro_ld=5.0: miro_ld is a hyperparameter of objective "
-         "miro, not of this run's objective erm and update rule sagm; add "
-         "--config.objective=miro, or leave --config.miro_ld out."),
-        ({"mmd_gamma": 2.0}, {"algorithm": "erm"}, "of objectives coral, mmd, not of this "
-         "run's objective erm and update rule erm; add --config.objective=coral (or mmd)"),
-        ({"alpha": 1e-3}, {"algorithm": "sam"}, "alpha is a hyperparameter of update rule "
-         "sagm, not of this run's"),
-        ({"rho": 0.1}, {"algorithm": "erm"}, "rho is a hyperparameter of update rules sam, "
-         "gsam, sagm, erm_sam,"),
-        ({"disam_descent": "variance"}, {}, "--config.disam_descent=variance: DISAM's "
-         "setting, and DISAM is off (config.disam_lambda=0); add --config.disam_lambda="),
-        ({"swad_n_converge": 5}, {}, "--config.swad_n_converge=5: SWAD's setting, and SWAD "
-         "is off; add --config.swad=True"),
-        ({"mixstyle_p": 1.0}, {}, "--config.mixstyle_p=1.0: MixStyle's setting, and MixStyle "
-         "is off; add --config.mixstyle=True"),
+        (
+            {"miro_ld": 5.0},
+            {},
+            "--config.miro_ld=5.0: miro_ld is a hyperparameter of objective miro, not of this "
+            "run's objective erm and update rule sagm; add --config.objective=miro, or leave "
+            "--config.miro_ld out.",
+        ),
+        (
+            {"mmd_gamma": 2.0},
+            {"algorithm": "erm"},
+            "of objectives coral, mmd, not of this run's objective erm and update rule erm; "
+            "add --config.objective=coral (or mmd)",
+        ),
+        ({"alpha": 1e-3}, {"algorithm": "sam"}, "alpha is a hyperparameter of update rule sagm"),
+        ({"rho": 0.1}, {"algorithm": "erm"}, "rho is a hyperparameter of update rules sam, gsam"),
+        (
+            {"disam_descent": "variance"},
+            {},
+            "--config.disam_descent=variance: DISAM's setting, and DISAM is off "
+            "(config.disam_lambda=0); add --config.disam_lambda=",
+        ),
+        (
+            {"swad_n_converge": 5},
+            {},
+            "--config.swad_n_converge=5: SWAD's setting, and SWAD is off; add --config.swad=True",
+        ),
+        (
+            {"mixstyle_p": 1.0},
+            {},
+            "--config.mixstyle_p=1.0: MixStyle's setting, and MixStyle is off; add "
+            "--config.mixstyle=True",
+        ),
     ],
 )
 def test_a_setting_of_a_method_not_in_the_run_is_a_problem(given, values, expected):

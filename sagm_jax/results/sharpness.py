@@ -87,9 +87,9 @@ def _check_loss_fn(loss_fn: Callable, params, batch) -> None:
     scalars, found from its shapes alone (``jax.eval_shape``: nothing is computed). A
     mean loss would otherwise meet JAX's "expected function with aux output" error."""
     out = jax.eval_shape(loss_fn, params, batch)
-    if isinstance(out, (tuple, list)) and len(out) == 2:
-        if all(hasattr(x, "shape") and x.shape == () for x in out):
-            return
+    pair = isinstance(out, (tuple, list)) and len(out) == 2
+    if pair and all(hasattr(x, "shape") and x.shape == () for x in out):
+        return
     shapes = jax.tree.map(lambda x: f"{x.dtype}{list(x.shape)}", out)
     got = f"a {shapes} array" if hasattr(out, "shape") else f"{type(out).__name__} {shapes}"
     raise TypeError(
