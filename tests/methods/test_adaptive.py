@@ -295,7 +295,7 @@ def test_objective_key_is_no_pass_key():
 
 
 def test_mtl_training_noise_is_fresh_iid_normal_over_steps(monkeypatch):
-    """MTL's training draws over 40 SAGM steps, as the train step makes them: the same in
+    """MTL's training draws over 24 SAGM steps, as the train step makes them: the same in
     the clean and the perturbed pass of a step (one loss), independent across steps, rows
     and coordinates, and N(0, 1) (Kolmogorov-Smirnov), as the reference's fresh
     ``.normal_()`` of every call."""
@@ -312,7 +312,7 @@ def test_mtl_training_noise_is_fresh_iid_normal_over_steps(monkeypatch):
         return z
 
     monkeypatch.setattr(adaptive, "embedding_noise", recorded)
-    steps = 40
+    steps = 24
     run_steps("mtl", mtl_hp("noise"), CHANNELS, algorithm="sagm", steps=steps,
               rule_hp={"rho": 0.05, "alpha": 0.01})
     assert len(draws) == 2 * steps and draws[0].shape == (M, B, DIM)
