@@ -161,7 +161,8 @@ def test_the_documented_mixstyle_offline_commands_pass_the_checks(tmp_path, monk
     (it writes the image folder the next command reads), each run passes the checks."""
     from sagm_jax.data import export
 
-    text = open(os.path.join(REPO, "docs", "methods.md")).read()
+    with open(os.path.join(REPO, "docs", "methods.md")) as handle:
+        text = handle.read()
     block = text.split("### MixStyle offline", 1)[1].split("```bash\n", 1)[1].split("```")[0]
     lines = [line for line in block.replace("\\\n", " ").splitlines() if line.strip()]
     commands = [shlex.split(line) for line in lines if not line.startswith("#")]

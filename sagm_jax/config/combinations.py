@@ -98,9 +98,11 @@ def mixstyle_network_problems(config: ml_collections.ConfigDict) -> list[str]:
     if checks.is_int(size) and size < checks.RESNET_STRIDE:
         fix += f" --config.image_size={checks.RESNET_STRIDE}"
     return [
-        "config.mixstyle=True: MixStyle sits between ResNet stages; config.arch=mnist_cnn has "
-        f"none. To try it offline use {fix} (a ResNet-18 from scratch; docs/methods.md, "
-        "'MixStyle offline')."
+        (
+            "config.mixstyle=True: MixStyle sits between ResNet stages; config.arch=mnist_cnn "
+            f"has none. To try it offline use {fix} (a ResNet-18 from scratch; "
+            "docs/methods.md, 'MixStyle offline')."
+        )
     ]
 
 
