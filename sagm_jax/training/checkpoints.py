@@ -172,8 +172,9 @@ class Checkpoints:
 
     def save(self, step: int, state, validation: float, training: dict | None = None) -> None:
         """Saves ``state`` as the checkpoint of record ``step``, ranked by ``validation``;
-        ``training``, the record's training metrics (``rundir.training_metrics``), is
-        kept with it, so that a lost record can be rebuilt."""
+        ``training``, the record's training means (``loss`` and the method's metrics, as
+        ``train.evaluate_and_record`` takes them), is kept with it, so that a lost record
+        can be made again."""
         if self.manager is None:
             return
         if not math.isfinite(validation):

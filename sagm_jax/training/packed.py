@@ -69,9 +69,7 @@ from sagm_jax.methods import networks
 from sagm_jax.results.selection import validation_accuracy
 from sagm_jax.swad.run import SwadRun
 from sagm_jax.training import train as train_lib
-from sagm_jax.training.rundir import (
-    RunDir, evaluation_interval, is_evaluation_step, training_metrics,
-)
+from sagm_jax.training.rundir import RunDir, evaluation_interval, is_evaluation_step
 from sagm_jax.training.summary import print_summary
 from sagm_jax.training.train_step import run_train_step
 
@@ -528,7 +526,7 @@ def _evaluate(member: Member, r: int, lanes, t: int) -> None:
 
 def _evaluate_lane(member: Member, r: int, lanes, t: int, lane):
     """The record and SWAD's segment of run ``r`` after step ``t``; returns what its
-    checkpoint saves (the state, its validation accuracy, the record's training metrics),
+    checkpoint saves (the state, its validation accuracy, the record's training means),
     None when it failed."""
     program = member.program
     lane = jax.device_put(lane, NamedSharding(program.mesh, P()))
@@ -544,7 +542,7 @@ def _evaluate_lane(member: Member, r: int, lanes, t: int, lane):
     if member.swad is not None:
         lane = member.swad.after_evaluation(lane, record)
         lanes.set_lane(r, lane)
-    return lane, validation_accuracy(record, program.train_envs), training_metrics(record)
+    return lane, validation_accuracy(record, program.train_envs), means
 
 
 def _finish(member: Member, wall_time: float, runs: int):

@@ -341,18 +341,6 @@ def make_record(
     }
 
 
-RECORD_CONTEXT = ("step", "epoch", "args", "hparams", "config")  # make_record's own keys
-
-
-def training_metrics(record: dict) -> dict:
-    """What of ``record`` only training gives (:func:`make_record`'s ``loss`` and
-    ``metrics``): every key but the accuracies and :data:`RECORD_CONTEXT`. A checkpoint
-    keeps them, so that its record can be made again from it."""
-    return {
-        k: v for k, v in record.items() if k not in RECORD_CONTEXT and not k.endswith("_acc")
-    }
-
-
 @dataclasses.dataclass(frozen=True)
 class Run:
     """A run directory found by :func:`find_runs`: its path, whether it is ``done``,

@@ -70,7 +70,6 @@ from sagm_jax.training.rundir import (
     read_run_info,
     read_swad_record,
     read_wall_time,
-    training_metrics,
 )
 from sagm_jax.results.selection import training_domain_validation, validation_accuracy
 from sagm_jax.swad.run import SwadRun
@@ -389,7 +388,7 @@ def _training_loop(
                 if swad_run is not None:
                     state = swad_run.after_evaluation(state, record)
                 validation = validation_accuracy(record, program.train_envs)
-                checkpoints.save(t, state, validation, training_metrics(record))
+                checkpoints.save(t, state, validation, means)
                 sums = None
     finally:  # the prefetch thread and the progress bar end even when the loop fails
         batches.close()  # stops the prefetching thread
@@ -421,6 +420,7 @@ def evaluate_and_record(
 ) -> dict:
     """Evaluates ``state`` after step ``t`` and appends its record (before the
     checkpoint: see the module docstring); ``means`` are the step metrics' means."""
+    means = dict(means)  # the caller keeps its means (the checkpoint saves them)
     mean_loss = _finite_loss(means.pop("loss"), t, checkpoints, rundir)
     if not _all_finite(state.params):
         _stop_non_finite(rundir.workdir, t, mean_loss, checkpoints)

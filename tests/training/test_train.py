@@ -3,6 +3,7 @@ devices), and what the program prints and writes around its runs."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,8 +21,10 @@ from sagm_jax.training import rundir
 from sagm_jax.training import train
 from sagm_jax.config import base_config, mnist_config
 from sagm_jax.models import synthetic
+from sagm_jax.training.checkpoints import DamagedCheckpointError
 
 from run_fixtures import digits_config, tiny_folder_config, write_image_tree
+from test_checkpoints import damage
 from test_summary import summary_record
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -449,8 +452,8 @@ def stop_after_checkpoint(monkeypatch, step):
     """The next run stops right after saving the checkpoint of ``step``, as a kill would."""
     save = train.Checkpoints.save
 
-    def save_then_stop(self, t, state, validation):
-        save(self, t, state, validation)
+    def save_then_stop(self, t, state, validation, training=None):
+        save(self, t, state, validation, training)
         if t == step:
             raise _Stopped
 
@@ -497,8 +500,9 @@ def test_a_lost_or_repeated_record_is_refused_on_resume_and_when_done(tmp_path, 
     results = run / "results.jsonl"
     lines = results.read_text().splitlines(keepends=True)
     assert [json.loads(line)["step"] for line in lines] == [0, 2]
-    results.write_text(lines[0])  # `sed -i 2d`: the record of step 2 lost
-    with pytest.raises(rundir.RecordsError, match=r"results.jsonl: missing step\(s\) \[2\]"):
+    results.write_text(lines[1])  # `sed -i 1d`: the record of step 0 lost (the one of 2,
+    # the restored checkpoint's, would be made again from it)
+    with pytest.raises(rundir.RecordsError, match=r"results.jsonl: missing step\(s\) \[0\]"):
         train.train_one_run(digits_config(), str(run))
     results.write_text("".join(lines))
     train.train_one_run(digits_config(), str(run))
@@ -506,6 +510,82 @@ def test_a_lost_or_repeated_record_is_refused_on_resume_and_when_done(tmp_path, 
     results.write_text("".join(lines[:2] + lines[1:]))  # step 2 duplicated
     with pytest.raises(rundir.RecordsError, match=r"results.jsonl: repeated step\(s\) \[2\]"):
         train.train_one_run(digits_config(), str(run))
-    results.write_text("".join(lines[:2]))  # the last one lost
-    with pytest.raises(rundir.RecordsError, match=r"missing step\(s\) \[4\]"):
+    results.write_text("".join(lines[:1] + lines[2:]))  # step 2 lost, in a finished run
+    with pytest.raises(rundir.RecordsError, match=r"missing step\(s\) \[2\]"):
         train.train_one_run(digits_config(), str(run))
+    # The last one lost is made again from its checkpoint (test_a_torn_last_record_...).
+
+
+# --- damaged checkpoints and a lost last record, against the uninterrupted run ------------
+
+
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory):
+    """An uninterrupted run (digits_config: evaluations after steps 0, 2, 4), which keeps
+    checkpoints 2 (the best) and 4 (the latest). Tests change copies of it."""
+    workdir = tmp_path_factory.mktemp("whole")
+    train.train_one_run(digits_config(), str(workdir))
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
+    return workdir
+
+
+def copy_run(run, workdir, finished=True):
+    shutil.copytree(run, workdir)
+    if not finished:
+        os.remove(workdir / "done")
+    return workdir
+
+
+def assert_same_run(whole, run):
+    """The same results.jsonl (but for the run directory each record names: ``run``'s
+    records before the relaunch were copied from ``whole``) and, bit for bit, the same
+    parameters of the latest checkpoint."""
+    def records(folder):
+        text = (folder / "results.jsonl").read_text()
+        return text.replace(str(whole), "RUN").replace(str(run), "RUN")
+
+    assert records(run) == records(whole)
+    for a, b in zip(jax.tree.leaves(restore_params(whole)), jax.tree.leaves(restore_params(run))):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_a_damaged_latest_checkpoint_is_set_aside_and_the_run_ends_as_the_uninterrupted_one(
+    whole_run, tmp_path, capsys
+):
+    """Checkpoint 4 truncated before the run that saved it could finish: ``load_run``
+    names it and the step that reads; the relaunch resumes from 2, trains 3 and 4 again
+    and ends as the uninterrupted run, with one warning line."""
+    run = copy_run(whole_run, tmp_path / "run", finished=False)
+    damage(run, 4)
+    damaged = r"step 4 is damaged and cannot be read \(.*\)\. The steps that read: \[2\]\."
+    with pytest.raises(DamagedCheckpointError, match=damaged):
+        loading.load_run(str(run), "latest")
+    capsys.readouterr()
+    records = train.train_one_run(digits_config(), str(run))
+    assert [r["step"] for r in records] == [0, 2, 4]
+    assert_same_run(whole_run, run)
+    assert sorted(os.listdir(run / "checkpoints")) == ["2", "4", "4.damaged"]
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if "4.damaged" in line] == [
+        line for line in err.splitlines() if line.startswith("Warning:")
+    ]
+    assert err.count("Warning:") == 1 and "Resuming from step 2" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("finished", [True, False])
+def test_a_torn_last_record_is_made_again_from_its_checkpoint(
+    whole_run, tmp_path, capsys, finished
+):
+    """The last line of results.jsonl torn, in a finished run or one stopped after its
+    last checkpoint: the relaunch evaluates checkpoint 4 again and writes the record the
+    uninterrupted run wrote."""
+    run = copy_run(whole_run, tmp_path / "run", finished=finished)
+    results = run / "results.jsonl"
+    lines = results.read_text().splitlines(keepends=True)
+    results.write_text("".join(lines[:-1]) + lines[-1][:100])
+    records = train.train_one_run(digits_config(), str(run))
+    assert_same_run(whole_run, run)
+    assert json.loads(json.dumps(records)) == train.read_records(str(run))  # tuples: lists
+    assert f"made again from {run / 'checkpoints' / '4'}" in capsys.readouterr().err
