@@ -6,93 +6,33 @@ widths, the store's short side, rho, the input size, SWAD's tolerance, devices).
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import operator
 from typing import Callable, Sequence
 
 import ml_collections
 
 from sagm_jax.data.registry import DATASETS
-from sagm_jax.methods.registry import rule_names
+from sagm_jax.methods.registry import (  # noqa: F401  (the generic checks: the config's)
+    RHO_MAX,
+    OneOf,
+    bounds,
+    integer,
+    is_int,
+    is_number,
+    kind,
+    number,
+    rule_names,
+)
 from sagm_jax.models.mnist_cnn import CONV_LAYERS, GROUPNORM_GROUPS
-from sagm_jax.models.resnet import ARCHITECTURES as RESNET_ARCHS, MIXSTYLE_STAGES
+from sagm_jax.models.resnet import ARCHITECTURES as RESNET_ARCHS
+from sagm_jax.models.resnet import MIXSTYLE_STAGES
 
 # A field's check: (value, config, device_count) -> None, or what was expected.
 # ``device_count`` is JAX's when known (None before JAX starts).
 Check = Callable[[object, ml_collections.ConfigDict, int | None], str | None]
 
 
-def is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def integer(at_least: int, why: str = "", at_most: int | None = None) -> Check:
-    def check(value, config, device_count):
-        if not (is_int(value) and value >= at_least):
-            return ("a positive integer" if at_least == 1 else f"an integer >= {at_least}") + why
-        if at_most is not None and value > at_most:
-            return f"an integer <= {at_most}" + why
-
-    return check
-
-
-def number(interval: str, why: str = "") -> Check:
-    """A finite number in ``interval``, written as the message shows it: ``"> 0"``,
-    ``">= 0"``, or bounds such as ``"(0, 1)"``, ``"[0, 1)"``, ``"[0, 1]"``."""
-    if interval.startswith(">"):
-        sign, bound = interval.split()
-        low, high, text = float(bound), math.inf, interval
-        lower, upper = (operator.ge if sign == ">=" else operator.gt), operator.le
-    else:
-        low, high = (float(bound) for bound in interval[1:-1].split(","))
-        lower = operator.gt if interval[0] == "(" else operator.ge
-        upper = operator.lt if interval[-1] == ")" else operator.le
-        text = f"in {interval}"
-
-    def check(value, config, device_count):
-        if not (is_number(value) and lower(value, low) and upper(value, high)):
-            return f"a number {text}{why}"
-
-    return check
-
-
-def kind(kind: type, text: str) -> Check:
-    def check(value, config, device_count):
-        if not isinstance(value, kind):
-            return text
-
-    return check
-
-
 BOOL = kind(bool, "True or False")
 TEXT = kind(str, "a string")
-
-
-@dataclasses.dataclass(frozen=True)
-class OneOf:
-    """The check of a field that names one of ``names`` (a registry's, where one exists)."""
-
-    names: Sequence[str]
-
-    def __call__(self, value, config, device_count):
-        if not isinstance(value, str) or value not in self.names:
-            return f"one of {', '.join(self.names)}"
-
-
-def bounds(bounds: str, note: str = "") -> Check:
-    """The check of a method hyperparameter's bounds as ``sagm_jax.methods`` writes them:
-    ``"int >= k"``, ``"one of a, b"`` or an interval of :func:`number`; ``note`` follows
-    the expected value in the message."""
-    if bounds.startswith("int >= "):
-        return integer(int(bounds.split()[-1]), note)
-    if bounds.startswith("one of "):
-        return OneOf(tuple(bounds[len("one of ") :].split(", ")))
-    return number(bounds, note)
 
 
 def test_envs(value, config, device_count):
@@ -152,12 +92,6 @@ def store_short_side(value, config, device_count):
             f"an integer >= config.image_size={config.image_size} (a smaller store would "
             "upsample every crop from a downscaled image)"
         )
-
-
-# rho's bound. The published radii are 0.01-0.1 (SAM, GSAM, SAGM) and up to 2 for
-# ASAM's scaled perturbation; far above them the perturbed point says nothing of the
-# loss near the weights (rho=1e9 trains to chance), so it is an error, not a warning.
-RHO_MAX = 10.0
 
 
 def rho(value, config, device_count):

@@ -18,13 +18,102 @@ numbers and what it composes with. Adding a method is one function and one
 :func:`register_objective` or :func:`register_update_rule` call (docs/methods.md,
 "Adding a method"): the config fields and their checks, the sweep's choices and random
 search, the tables' labels and the README's table read the registries.
+
+The checks of a value against a hyperparameter's bounds (:func:`bounds` and the generic
+number, integer and name checks it builds on) live here too: the config checks its
+fields with them and the optax transforms their arguments, which import nothing of the
+package but this module.
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+import dataclasses
+import math
+import operator
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
+
+# ----------------------------------------------------------------------------
+# The checks of a value against bounds as the registry writes them (``Hyperparameter
+# .bounds``): ``check(value, config, device_count) -> None``, or what was expected. The
+# config checks its fields with them (``sagm_jax.config.checks``) and the optax
+# transforms their arguments (``sagm_jax.methods.update_rules``), which import nothing
+# of the package but this module.
+ValueCheck = Callable[[object, object, "int | None"], "str | None"]
+
+# rho's bound. The published radii are 0.01-0.1 (SAM, GSAM, SAGM) and up to 2 for
+# ASAM's scaled perturbation; far above them the perturbed point says nothing of the
+# loss near the weights (rho=1e9 trains to chance), so it is an error, not a warning.
+RHO_MAX = 10.0
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def integer(at_least: int, why: str = "", at_most: int | None = None) -> ValueCheck:
+    def check(value, config, device_count):
+        if not (is_int(value) and value >= at_least):
+            return ("a positive integer" if at_least == 1 else f"an integer >= {at_least}") + why
+        if at_most is not None and value > at_most:
+            return f"an integer <= {at_most}" + why
+
+    return check
+
+
+def number(interval: str, why: str = "") -> ValueCheck:
+    """A finite number in ``interval``, written as the message shows it: ``"> 0"``,
+    ``">= 0"``, or bounds such as ``"(0, 1)"``, ``"[0, 1)"``, ``"[0, 1]"``."""
+    if interval.startswith(">"):
+        sign, bound = interval.split()
+        low, high, text = float(bound), math.inf, interval
+        lower, upper = (operator.ge if sign == ">=" else operator.gt), operator.le
+    else:
+        low, high = (float(bound) for bound in interval[1:-1].split(","))
+        lower = operator.gt if interval[0] == "(" else operator.ge
+        upper = operator.lt if interval[-1] == ")" else operator.le
+        text = f"in {interval}"
+
+    def check(value, config, device_count):
+        if not (is_number(value) and lower(value, low) and upper(value, high)):
+            return f"a number {text}{why}"
+
+    return check
+
+
+def kind(kind: type, text: str) -> ValueCheck:
+    def check(value, config, device_count):
+        if not isinstance(value, kind):
+            return text
+
+    return check
+
+
+@dataclasses.dataclass(frozen=True)
+class OneOf:
+    """The check of a field that names one of ``names`` (a registry's, where one exists)."""
+
+    names: Sequence[str]
+
+    def __call__(self, value, config, device_count):
+        if not isinstance(value, str) or value not in self.names:
+            return f"one of {', '.join(self.names)}"
+
+
+def bounds(bounds: str, note: str = "") -> ValueCheck:
+    """The check of a method hyperparameter's bounds as ``sagm_jax.methods`` writes them:
+    ``"int >= k"``, ``"one of a, b"`` or an interval of :func:`number`; ``note`` follows
+    the expected value in the message."""
+    if bounds.startswith("int >= "):
+        return integer(int(bounds.split()[-1]), note)
+    if bounds.startswith("one of "):
+        return OneOf(tuple(bounds[len("one of ") :].split(", ")))
+    return number(bounds, note)
 
 
 class Distribution(NamedTuple):

@@ -67,9 +67,11 @@ import jax.numpy as jnp
 import optax
 
 from sagm_jax.methods.registry import (
+    RHO_MAX,
     Hyperparameter,
     Method,
     UpdateRule,
+    bounds,
     choice,
     fixed,
     register_update_rule,
@@ -191,8 +193,6 @@ def _value(rho: ScalarOrSchedule, count):
 def _check_rho(rho: ScalarOrSchedule) -> None:
     """A number rho must be finite, >= 0 and at most the config's ``RHO_MAX`` (a schedule
     is the caller's to bound; 0 is the config's to refuse for a rule that perturbs)."""
-    from sagm_jax.config.checks import RHO_MAX  # sagm_jax.config imports this module
-
     if isinstance(rho, numbers.Real) and not isinstance(rho, bool):
         if not (math.isfinite(rho) and rho >= 0):
             raise ValueError(
@@ -208,10 +208,8 @@ def _check_rho(rho: ScalarOrSchedule) -> None:
 
 def _check_hyperparameter(function: str, argument: str, value, hp: Hyperparameter) -> None:
     """ValueError unless a Python number ``value`` is within ``hp.bounds``, the registry's
-    bounds that the config checks too (``sagm_jax.config.checks.bounds``). A traced value
+    bounds that the config checks too (``registry.bounds``). A traced value
     (a pack's hyperparameter inside ``jit``) has none to check."""
-    from sagm_jax.config.checks import bounds  # sagm_jax.config imports this module
-
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         if expected := bounds(hp.bounds, hp.note)(value, None, None):
             raise ValueError(
