@@ -181,7 +181,7 @@ def dann(hp: dict, *, conditional: bool) -> Procedure:
     ``AbstractDANN.update``; ``hp`` holds the entry's hyperparameters.
 
     One featurizer pass per step (dropout from ``fold_in(key, 0)``, the discriminator's
-    from ``fold_in(key, 1)``); on the step's kind (:func:`is_discriminator_step`):
+    from ``fold_in(key, 1)``), the same for both kinds of step; on the step's kind (:func:`is_discriminator_step`):
 
     * discriminator: ``own <- Adam_d(grad_own disc_loss)``; the network stays.
     * generator: ``gen_loss = CE(classifier(z), y) + lambda * (-disc_loss)``;
@@ -191,10 +191,17 @@ def dann(hp: dict, *, conditional: bool) -> Procedure:
     ``Adam_d = Adam(lr_d, weight_decay_d, betas=(beta1, 0.9))`` over the discriminator
     and class embeddings, ``Adam_g`` the same with ``lr_g``, ``weight_decay_g`` over the
     network; each state (its step count included) moves only on its own steps
-    (``lax.cond`` runs one branch). Reports ``disc_loss`` on discriminator steps and
-    ``gen_loss`` on generator steps, the other NaN (a jitted step returns the same keys
-    every step; a record averages each over the steps that computed it), and ``loss`` =
-    the reported one.
+    (``lax.cond`` over the two optimizer updates). Reports ``disc_loss`` on discriminator
+    steps and ``gen_loss`` on generator steps, the other NaN (a jitted step returns the
+    same keys every step; a record averages each over the steps that computed it), and
+    ``loss`` = the reported one.
+
+    Cost: every step runs the featurizer's forward and backward pass, as DomainBed's
+    does (its ``disc_loss.backward()`` also reaches the featurizer); both heads' losses
+    and gradients (a small MLP) are computed every step and the step's kind picks the
+    update. The network's passes stay outside ``lax.cond``: XLA's CPU backend leaves the
+    convolutions inside a conditional's branch in a slow generic form (a generator step
+    of the RotatedDigits CNN took about 1.5 s instead of 0.05 s; docs/performance.md).
     """
     # The hyperparameters stay as given (no float()): a pack traces them (sagm_jax.training.packed).
     disc_opt = torch_adam(hp["lr_d"], hp["weight_decay_d"], (hp["beta1"], ADAM_BETA2))
@@ -214,34 +221,42 @@ def dann(hp: dict, *, conditional: bool) -> Procedure:
     def update(params, opt_state, passes: BatchPasses, key):
         network, own = split_params(params)
         feature_key, disc_key = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
-        not_computed = jnp.asarray(NOT_COMPUTED, jnp.float32)
 
         def disc_loss_at(own_params, features):
             return discriminator_loss(own_params, features, passes.labels, passes.num_domains,
                                       disc_key, **disc_settings)
 
+        def gen_loss_at(features, logits):
+            classifier_loss = jnp.mean(per_example_cross_entropy(logits, passes.labels))
+            return classifier_loss + weight * -disc_loss_at(own, features)
+
+        def outputs_at(network_params):
+            outputs = passes.forward_at(network_params, feature_key)(passes.images)
+            return outputs.features, outputs.logits
+
+        # The network's pass and its pullback stay outside control flow (see the docstring).
+        (features, logits), pullback = jax.vjp(outputs_at, network)
+        disc_loss, own_grads = jax.value_and_grad(disc_loss_at)(own, features)
+        gen_loss, output_grads = jax.value_and_grad(gen_loss_at, argnums=(0, 1))(
+            features, logits)
+        (net_grads,) = pullback(output_grads)
+
         def discriminator_step(_):
-            features = passes.forward_at(network, feature_key)(passes.images).features
-            loss, grads = jax.value_and_grad(disc_loss_at)(own, features)
-            own_updates, disc_state = disc_opt.update(grads, opt_state["discriminator"], own)
+            own_updates, disc_state = disc_opt.update(
+                own_grads, opt_state["discriminator"], own)
             updates = join_params(jax.tree.map(jnp.zeros_like, network), own_updates)
-            return updates, {**opt_state, "discriminator": disc_state}, (loss, not_computed)
+            return updates, {**opt_state, "discriminator": disc_state}
 
         def generator_step(_):
-            def gen_loss_of(network_params):
-                outputs = passes.forward_at(network_params, feature_key)(passes.images)
-                classifier_loss = jnp.mean(per_example_cross_entropy(outputs.logits,
-                                                                     passes.labels))
-                return classifier_loss + weight * -disc_loss_at(own, outputs.features)
-
-            loss, grads = jax.value_and_grad(gen_loss_of)(network)
-            net_updates, gen_state = gen_opt.update(grads, opt_state["generator"], network)
+            net_updates, gen_state = gen_opt.update(net_grads, opt_state["generator"], network)
             updates = join_params(net_updates, jax.tree.map(jnp.zeros_like, own))
-            return updates, {**opt_state, "generator": gen_state}, (not_computed, loss)
+            return updates, {**opt_state, "generator": gen_state}
 
         disc_turn = is_discriminator_step(passes.step, d_steps)
-        updates, opt_state, (disc_loss, gen_loss) = jax.lax.cond(
-            disc_turn, discriminator_step, generator_step, None)
+        updates, opt_state = jax.lax.cond(disc_turn, discriminator_step, generator_step, None)
+        not_computed = jnp.asarray(NOT_COMPUTED, jnp.float32)
+        disc_loss = jnp.where(disc_turn, disc_loss, not_computed)
+        gen_loss = jnp.where(disc_turn, not_computed, gen_loss)
         return updates, opt_state, {"loss": jnp.where(disc_turn, disc_loss, gen_loss),
                                     "disc_loss": disc_loss, "gen_loss": gen_loss}
 

@@ -236,3 +236,56 @@ def test_discriminator_dropout_draws_from_the_key():
         want = ref_mlp(jax.tree.map(lambda v: np.asarray(v, np.float64), layers),
                        np.asarray(x, np.float64))
     np.testing.assert_allclose(apply(layers, x, 0.0, jax.random.PRNGKey(2)), want, **TOL)
+
+
+def ops_under_control_flow(jaxpr, inside=False) -> set:
+    """The primitives of ``jaxpr`` that run inside a ``cond``, ``while`` or ``scan``
+    (nested calls such as ``pjit`` or ``custom_vjp_call`` are looked through)."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        if inside:
+            found.add(eqn.primitive.name)
+        nested = inside or eqn.primitive.name in ("cond", "while", "scan")
+        for value in eqn.params.values():
+            for item in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(item, "jaxpr", item)  # a ClosedJaxpr's jaxpr, or a Jaxpr
+                if hasattr(sub, "eqns"):
+                    found |= ops_under_control_flow(sub, nested)
+    return found
+
+
+def conv_forward_at(params, dropout_key):
+    """``forward_at`` with a convolution in the featurizer (a 2x2 kernel over the image)."""
+    del dropout_key
+
+    def forward(images):
+        kernel = params["featurizer"]["kernel"].reshape(HEIGHT, WIDTH, 1, DIM)
+        h = jax.lax.conv_general_dilated(images, kernel, (1, 1), "VALID",
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        features = jnp.tanh(h.reshape(h.shape[0], -1) + params["featurizer"]["bias"])
+        return Outputs(features, networks.classify(params, features), {},
+                       lambda f: networks.classify(params, f))
+
+    return forward
+
+
+@pytest.mark.parametrize("name", ["dann", "cdann"])
+def test_network_passes_stay_outside_control_flow(name):
+    """XLA's CPU backend runs the convolutions inside a conditional's branch in a slow
+    generic form (a RotatedDigits generator step took 1.5 s instead of 0.05 s,
+    docs/performance.md), so both kinds of step share the network's pass and only the
+    optimizer updates sit in the ``lax.cond``."""
+    params, images, labels = make_problem(conditional=name == "cdann")
+    procedure = procedures.make_procedure(name, HP, learning_rate=1.0, weight_decay=1.0,
+                                          num_domains=M)
+
+    def update(p, state, step, key):
+        passes = procedures.BatchPasses(conv_forward_at, jnp.asarray(images),
+                                        jnp.asarray(labels), M, step)
+        return procedure.update(p, state, passes, key)
+
+    jaxpr = jax.make_jaxpr(update)(params, procedure.init(params), jnp.int32(0),
+                                   jax.random.PRNGKey(0))
+    assert "conv_general_dilated" not in ops_under_control_flow(jaxpr.jaxpr)
+    convolutions = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "conv_general_dilated"]
+    assert convolutions  # the pass is traced where the test looks
