@@ -319,6 +319,24 @@ def _listed_domains(config) -> int | None:
     return len(splits.list_domains(root)) if os.path.isdir(root) else None
 
 
+def reference_defaults(config: ml_collections.ConfigDict, argv: Sequence[str]) -> list[str]:
+    """Sets what a method's reference fixes where the command line leaves it: ARM's
+    ``batch_per_env`` outside the MNIST-like datasets (DomainBed's ``hparams_registry``:
+    8, ``sagm_jax.sweep.hparams.FIXED_IMAGE_BATCH``; the sweep's default and draws are
+    the same). Returns a line for the user for each setting it changed."""
+    from sagm_jax.data.registry import DATASETS
+    from sagm_jax.sweep.hparams import FIXED_IMAGE_BATCH, is_mnist_like
+
+    objective, dataset = config.get("objective"), config.get("dataset")
+    size = FIXED_IMAGE_BATCH.get(objective)
+    if (size is None or dataset not in DATASETS or is_mnist_like(dataset)
+            or "batch_per_env" in _given_keys(argv) or config.batch_per_env == size):
+        return []
+    config.batch_per_env = size
+    return [f"objective={objective}: batch_per_env={size}, DomainBed's batch for it on "
+            f"{dataset} (--config.batch_per_env=N sets another)."]
+
+
 def _given_keys(argv: Sequence[str]) -> list[str]:
     """The keys of the ``--config.KEY=VALUE`` (or ``--config.KEY VALUE``) words of ``argv``."""
     return [m.group(1) for a in argv[1:] if (m := re.match(r"--config\.([\w.]+)(=|$)", a))]

@@ -105,6 +105,8 @@ def main(argv):
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as Ctrl-C does
+    for line in cli.reference_defaults(_CONFIG.value, sys.argv):
+        print(line, flush=True)
     workdir = _WORKDIR.value or cli.default_workdir(_CONFIG.value)
 
     def checked_run():

@@ -583,3 +583,30 @@ def test_a_resnet_from_scratch_with_frozen_batchnorm_is_warned_before_the_run(tm
     config.freeze_batchnorm = False
     cli.preflight(config, str(tmp_path / "run"), ["main"])
     assert "warning" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "dataset,argv,expected",
+    [
+        ("PACS", ["main", "--config.objective=arm"], 8),  # DomainBed's ARM batch
+        ("DomainNet", ["main", "--config.objective=arm"], 8),
+        ("PACS", ["main", "--config.objective=arm", "--config.batch_per_env=16"], 16),
+        ("PACS", ["main", "--config.objective=mtl"], 32),  # only ARM's is fixed
+        ("RotatedDigits", ["main", "--config.objective=arm"], 64),  # MNIST-like: its own
+    ],
+)
+def test_arm_trains_on_domainbeds_batch_of_8_unless_the_command_line_sets_one(
+    dataset, argv, expected
+):
+    from sagm_jax.config import resnet50_config
+
+    config = mnist_config(dataset) if dataset == "RotatedDigits" else resnet50_config(dataset)
+    config.objective = argv[1].split("=")[1]
+    if len(argv) > 2:
+        config.batch_per_env = int(argv[2].split("=")[1])
+    before = config.batch_per_env
+    lines = cli.reference_defaults(config, argv)
+    assert config.batch_per_env == expected
+    assert bool(lines) == (expected != before)
+    if lines:
+        assert "batch_per_env=8" in lines[0] and "--config.batch_per_env=N" in lines[0]
