@@ -181,7 +181,8 @@ def dann(hp: dict, *, conditional: bool) -> Procedure:
     ``AbstractDANN.update``; ``hp`` holds the entry's hyperparameters.
 
     One featurizer pass per step (dropout from ``fold_in(key, 0)``, the discriminator's
-    from ``fold_in(key, 1)``), the same for both kinds of step; on the step's kind (:func:`is_discriminator_step`):
+    from ``fold_in(key, 1)``), the same for both kinds of step; on the step's kind
+    (:func:`is_discriminator_step`):
 
     * discriminator: ``own <- Adam_d(grad_own disc_loss)``; the network stays.
     * generator: ``gen_loss = CE(classifier(z), y) + lambda * (-disc_loss)``;

@@ -43,10 +43,17 @@ Computed here, with the same result:
 * The reference pairs the domains in a random order (``random_pairs_of_minibatches``)
   and forwards the meta-train and meta-test rows on their own. The meta gradient is a
   sum over all D pairs of row-wise means, so the order changes nothing but rounding:
-  the pairs go in domain order, with no draw. Each pass runs over the whole batch and
-  the loss is the mean over the pair's rows (a mask): the network treats rows
-  independently (the procedures run with BatchNorm frozen), and the batch keeps its
-  sharding. A ``lax.scan`` over j compiles the pair once.
+  the pairs go in domain order, with no draw. All meta-train gradients are taken at
+  the same ``theta``, and a mean over rows is a sum over domains: with ``S_k``, ``g_k``
+  the sum of domain k's cross-entropies at ``theta`` and its gradient, pair j's
+  ``l_tr, g_tr = sum_{k != j} (S_k, g_k) / ((D - 1) n)`` (``n`` rows a domain). So the
+  meta step makes one pass per domain at ``theta`` and one meta-test pass per domain at
+  its ``theta'``: twice the batch, against the reference's D times (the network treats
+  rows independently: the procedures run with BatchNorm frozen). With dropout, the D - 1
+  pairs that share a meta-train domain share its mask; the reference draws one per pair.
+  The passes are unrolled in Python, not a ``lax.scan``: XLA's CPU backend runs the
+  convolutions inside a loop body in a slow generic form (a RotatedDigits step took 7 s
+  instead of 0.25 s; docs/performance.md).
 * Every pass runs both encoders (the method's prediction), so ``zi`` and ``zs`` of one
   pass share the dropout key (the same mask when ``resnet_dropout > 0``; DomainBed's
   default 0 and the digits CNN have none); the reference draws them apart.
@@ -207,32 +214,43 @@ def main_loss(group: dict, params: dict, passes, key) -> tuple[jax.Array, dict]:
 def meta_gradient(params: dict, passes, key, *, meta_test_weight: float,
                   learning_rate: float, weight_decay: float):
     """``G`` over ``theta = (zs, classifier)`` (META_GROUP) at ``params`` (the module
-    docstring's step 2) and the means over j of ``l_tr`` and ``l_te``."""
+    docstring's step 2) and the means over j of ``l_tr`` and ``l_te``.
 
-    domains = jnp.arange(passes.labels.shape[0]) // (passes.labels.shape[0] // passes.num_domains)
-
-    def cross_entropy_at(theta, rows, pass_key):
-        out = passes.forward_at(with_group(params, theta), pass_key)(passes.images)
-        per_example = per_example_cross_entropy(out.logits, passes.labels)
-        return jnp.sum(jnp.where(rows, per_example, 0.0)) / jnp.sum(rows)
-
+    With ``S_k``, ``g_k`` the sum of domain k's cross-entropies at ``theta`` and its
+    gradient (one pass per domain, dropout from ``fold_in(key, k)``) and ``n`` rows per
+    domain, pair j's meta-train loss and gradient are ``sum_{k != j} (S_k, g_k) /
+    ((D - 1) n)``; its meta-test pass runs on domain j's rows at ``theta'``
+    (``fold_in(key, D + j)``)."""
+    num_domains = passes.num_domains
+    images = passes.images.reshape(num_domains, -1, *passes.images.shape[1:])
+    labels = passes.labels.reshape(num_domains, -1)
     theta = parameter_group(params, META_GROUP)
 
-    def pair(grad, j):  # one (meta-train, meta-test) pair; a scan compiles it once
-        loss_tr, grad_tr = jax.value_and_grad(cross_entropy_at)(
-            theta, domains != j, jax.random.fold_in(key, 2 * j))
-        inner = first_adam_step(theta, grad_tr, learning_rate, weight_decay)
-        loss_te, grad_te = jax.value_and_grad(cross_entropy_at)(
-            inner, domains == j, jax.random.fold_in(key, 2 * j + 1))
-        grad = jax.tree.map(
-            lambda acc, g_tr, g_te: acc + g_tr / passes.num_domains
-            + meta_test_weight * g_te / passes.num_domains, grad, grad_tr, grad_te)
-        return grad, (loss_tr, loss_te)
+    def cross_entropy_sum(theta, k, pass_key):  # domain k's rows, summed
+        out = passes.forward_at(with_group(params, theta), pass_key)(images[k])
+        return jnp.sum(per_example_cross_entropy(out.logits, labels[k]))
 
-    grad, (train_losses, test_losses) = jax.lax.scan(
-        pair, jax.tree.map(jnp.zeros_like, theta), jnp.arange(passes.num_domains))
-    return grad, {"meta_train_loss": jnp.mean(train_losses),
-                  "meta_test_loss": jnp.mean(test_losses)}
+    # Python loops, not lax.scan: XLA's CPU backend runs convolutions inside a loop body
+    # in a slow generic form (docs/performance.md).
+    sums, grads = zip(*(jax.value_and_grad(cross_entropy_sum)(theta, k, jax.random.fold_in(key, k))
+                        for k in range(num_domains)))
+    rows_tr = (num_domains - 1) * labels.shape[1]
+    grad = jax.tree.map(jnp.zeros_like, theta)
+    train_losses, test_losses = [], []
+    for j in range(num_domains):
+        others = [k for k in range(num_domains) if k != j]
+        loss_tr = sum(sums[k] for k in others) / rows_tr
+        grad_tr = jax.tree.map(lambda *g: sum(g) / rows_tr, *(grads[k] for k in others))
+        inner = first_adam_step(theta, grad_tr, learning_rate, weight_decay)
+        loss_te, grad_te = jax.value_and_grad(cross_entropy_sum)(
+            inner, j, jax.random.fold_in(key, num_domains + j))
+        grad = jax.tree.map(
+            lambda acc, g_tr, g_te: acc + g_tr / num_domains
+            + meta_test_weight * g_te / (labels.shape[1] * num_domains), grad, grad_tr, grad_te)
+        train_losses.append(loss_tr)
+        test_losses.append(loss_te / labels.shape[1])
+    return grad, {"meta_train_loss": jnp.mean(jnp.stack(train_losses)),
+                  "meta_test_loss": jnp.mean(jnp.stack(test_losses))}
 
 
 def mdsdi(meta_test_weight: float, *, learning_rate: float, weight_decay: float,

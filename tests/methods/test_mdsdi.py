@@ -43,9 +43,9 @@ def batch(n, seed=0):
             "label": rng.integers(0, CLASSES, n).astype(np.int32)}
 
 
-def build():
+def build(net=None):
     rule = methods.update_rule("mdsdi")
-    net = TinyNet()
+    net = net or TinyNet()
     variables = net.init(jax.random.key(0), jnp.zeros((1, HEIGHT, WIDTH, CHANNELS)), train=False)
     shapes = networks.Shapes((HEIGHT, WIDTH, CHANNELS), DIM, CLASSES, M)
     hp = {"mdsdi_meta_test_weight": 1.0}
@@ -225,3 +225,31 @@ def test_recorded_accuracies_are_the_methods_prediction(tmp_path):
     model, variables = assert_the_evaluation_reproduces_the_record(tmp_path, "best")
     assert isinstance(model, networks.MethodModel)
     assert "zs_encoder" in variables["params"]["method"]
+
+
+class TinyConvNet(nn.Module):
+    """TinyNet with a convolution for its body: features = tanh(flatten(conv(x)) + b)."""
+
+    @nn.compact
+    def __call__(self, x, train: bool, mixstyle: bool = False, features: bool = False):
+        h = nn.Conv(DIM, (HEIGHT, WIDTH), padding="VALID", name="body")(x)
+        h = jnp.tanh(h.reshape(h.shape[0], -1))
+        logits = nn.Dense(CLASSES, name="classifier")(h)
+        return (h, logits) if features else logits
+
+
+def test_network_passes_stay_outside_control_flow():
+    """XLA's CPU backend runs the convolutions inside a loop body in a slow generic form
+    (a RotatedDigits mDSDI step under ``lax.scan`` took 7 s instead of 0.25 s,
+    docs/performance.md): the meta step's passes are unrolled over the domains."""
+    from test_adversarial import ops_under_control_flow
+
+    model, variables = build(TinyConvNet())
+    procedure = make_procedure("mdsdi", {}, learning_rate=LR, weight_decay=WD, num_domains=M)
+    step = make_train_step(model, procedure, algorithm="mdsdi", method=StepMethod("erm", {}, M))
+    state = create_train_state(variables, procedure, {})
+    jaxpr = jax.make_jaxpr(step)(state, batch(M * B), jax.random.key(7))
+    assert "conv_general_dilated" not in ops_under_control_flow(jaxpr.jaxpr)
+    # The main pass and the 2D meta passes each run both encoders forward.
+    convolutions = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "conv_general_dilated"]
+    assert len(convolutions) >= 2 * (1 + 2 * M)
