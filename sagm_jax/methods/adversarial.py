@@ -176,6 +176,43 @@ def is_discriminator_step(step, d_steps_per_g_step: int):
     return (step + 1) % (1 + d_steps_per_g_step) < d_steps_per_g_step
 
 
+def adversarial_gradients(network: dict, own: dict, passes: BatchPasses, key, weight,
+                          disc_settings: dict):
+    """Both kinds of step's losses and gradients, from one pass of the network at
+    ``network`` (features ``z`` and logits; dropout from ``fold_in(key, 0)``, the
+    discriminator's from ``fold_in(key, 1)``): ``(disc_loss, grad_own disc_loss,
+    gen_loss, grad_network gen_loss)``, ``weight`` being lambda and ``disc_settings``
+    :func:`discriminator_loss`'s keywords. The generator's gradient is the pass's
+    pullback of ``d gen_loss / d(z, logits)``.
+
+    Cost: every step runs the network's forward and backward pass, as DomainBed's does
+    (its ``disc_loss.backward()`` also reaches the featurizer); the heads (a small MLP)
+    are computed for both kinds of step. The network's passes stay outside ``lax.cond``:
+    XLA's CPU backend leaves the convolutions inside a conditional's branch in a slow
+    generic form (a generator step of the RotatedDigits CNN took about 1.5 s instead of
+    0.05 s; docs/performance.md).
+    """
+    feature_key, disc_key = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
+
+    def disc_loss_at(own_params, features):
+        return discriminator_loss(own_params, features, passes.labels, passes.num_domains,
+                                  disc_key, **disc_settings)
+
+    def gen_loss_at(features, logits):
+        classifier_loss = jnp.mean(per_example_cross_entropy(logits, passes.labels))
+        return classifier_loss + weight * -disc_loss_at(own, features)
+
+    def outputs_at(network_params):
+        outputs = passes.forward_at(network_params, feature_key)(passes.images)
+        return outputs.features, outputs.logits
+
+    (features, logits), pullback = jax.vjp(outputs_at, network)
+    disc_loss, own_grads = jax.value_and_grad(disc_loss_at)(own, features)
+    gen_loss, output_grads = jax.value_and_grad(gen_loss_at, argnums=(0, 1))(features, logits)
+    (net_grads,) = pullback(output_grads)
+    return disc_loss, own_grads, gen_loss, net_grads
+
+
 def dann(hp: dict, *, conditional: bool) -> Procedure:
     """DANN (``conditional=False``) or CDANN (``True``, with class balance) as DomainBed's
     ``AbstractDANN.update``; ``hp`` holds the entry's hyperparameters.
@@ -195,14 +232,7 @@ def dann(hp: dict, *, conditional: bool) -> Procedure:
     (``lax.cond`` over the two optimizer updates). Reports ``disc_loss`` on discriminator
     steps and ``gen_loss`` on generator steps, the other NaN (a jitted step returns the
     same keys every step; a record averages each over the steps that computed it), and
-    ``loss`` = the reported one.
-
-    Cost: every step runs the featurizer's forward and backward pass, as DomainBed's
-    does (its ``disc_loss.backward()`` also reaches the featurizer); both heads' losses
-    and gradients (a small MLP) are computed every step and the step's kind picks the
-    update. The network's passes stay outside ``lax.cond``: XLA's CPU backend leaves the
-    convolutions inside a conditional's branch in a slow generic form (a generator step
-    of the RotatedDigits CNN took about 1.5 s instead of 0.05 s; docs/performance.md).
+    ``loss`` = the reported one. The passes: :func:`adversarial_gradients`.
     """
     # The hyperparameters stay as given (no float()): a pack traces them (sagm_jax.training.packed).
     disc_opt = torch_adam(hp["lr_d"], hp["weight_decay_d"], (hp["beta1"], ADAM_BETA2))
@@ -221,26 +251,8 @@ def dann(hp: dict, *, conditional: bool) -> Procedure:
 
     def update(params, opt_state, passes: BatchPasses, key):
         network, own = split_params(params)
-        feature_key, disc_key = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
-
-        def disc_loss_at(own_params, features):
-            return discriminator_loss(own_params, features, passes.labels, passes.num_domains,
-                                      disc_key, **disc_settings)
-
-        def gen_loss_at(features, logits):
-            classifier_loss = jnp.mean(per_example_cross_entropy(logits, passes.labels))
-            return classifier_loss + weight * -disc_loss_at(own, features)
-
-        def outputs_at(network_params):
-            outputs = passes.forward_at(network_params, feature_key)(passes.images)
-            return outputs.features, outputs.logits
-
-        # The network's pass and its pullback stay outside control flow (see the docstring).
-        (features, logits), pullback = jax.vjp(outputs_at, network)
-        disc_loss, own_grads = jax.value_and_grad(disc_loss_at)(own, features)
-        gen_loss, output_grads = jax.value_and_grad(gen_loss_at, argnums=(0, 1))(
-            features, logits)
-        (net_grads,) = pullback(output_grads)
+        disc_loss, own_grads, gen_loss, net_grads = adversarial_gradients(
+            network, own, passes, key, weight, disc_settings)
 
         def discriminator_step(_):
             own_updates, disc_state = disc_opt.update(

@@ -237,11 +237,8 @@ def make_train_step(
         opt_state = _restarted(optimizer, state, reset_step)
         batch_stats, objective_state = state.batch_stats, state.objective_state
         if is_procedure:
-            if optimizer.whole_batch:
-                passes = BatchPasses(forward_at, batch["image"],
-                                     batch["label"], method.num_domains, state.step)
-            else:
-                passes = _domain_value_and_grad(forward_at, batch, clean_key, method.num_domains)
+            passes = _procedure_passes(optimizer, forward_at, batch, clean_key, state.step,
+                                       method.num_domains)
             updates, opt_state, metrics = optimizer.update(
                 state.params, opt_state, passes, objective_key
             )
@@ -311,6 +308,14 @@ def _clean_gradients(loss_fn, state: TrainState, key, mixstyle, disam_lambda: fl
     (grads,) = vjp(jnp.array([1.0, 0.0]))
     (ascent,) = vjp(jnp.array([0.0, 1.0]))
     return grads, {"ascent_grads": ascent}, aux
+
+
+def _procedure_passes(procedure, forward_at, batch, key, step, num_domains: int):
+    """What ``procedure.update`` reads: :class:`BatchPasses` over the whole batch for a
+    ``whole_batch`` procedure, else the per-domain :func:`_domain_value_and_grad`."""
+    if procedure.whole_batch:
+        return BatchPasses(forward_at, batch["image"], batch["label"], num_domains, step)
+    return _domain_value_and_grad(forward_at, batch, key, num_domains)
 
 
 def _domain_value_and_grad(forward_at, batch, key, num_domains: int):
