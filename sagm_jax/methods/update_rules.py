@@ -218,6 +218,13 @@ def _check_hyperparameter(function: str, argument: str, value, hp: Hyperparamete
             )
 
 
+def _check_choice(argument: str, value, choices: dict[str, str]) -> None:
+    """ValueError unless ``value`` is a key of ``choices`` (a value -> what it means)."""
+    if value not in choices:
+        expected = " or ".join(f"{k!r} ({meaning})" for k, meaning in choices.items())
+        raise ValueError(f"{argument}={value!r}: expected {expected}.")
+
+
 def _check_mode(perturbation_mode: str, axis_name: Optional[str]):
     if perturbation_mode not in ("global", "per_device"):
         raise ValueError(f"perturbation={perturbation_mode!r}: expected 'global' or 'per_device'.")
@@ -347,16 +354,9 @@ def sagm(
       ...                       grad_fn=lambda p, i: jax.grad(loss)(p))
     """
     _check_hyperparameter("sagm", "alpha", alpha, _SAGM_ALPHA)
-    if combine not in ("mean", "sum"):
-        raise ValueError(
-            f"combine={combine!r}: expected 'mean' (the released code) "
-            "or 'sum' (the paper's objective)."
-        )
-    if disam_descent not in ("clean", "variance"):
-        raise ValueError(
-            f"disam_descent={disam_descent!r}: expected 'clean' (d from the clean g) "
-            "or 'variance' (d from DISAM's g_DI)."
-        )
+    _check_choice("combine", combine, {"mean": "the released code", "sum": "the paper's objective"})
+    _check_choice("disam_descent", disam_descent,
+                  {"clean": "d from the clean g", "variance": "d from DISAM's g_DI"})
     weight = 0.5 if combine == "mean" else 1.0
 
     def direction(g, g_p):
