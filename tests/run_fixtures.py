@@ -39,6 +39,16 @@ def write_image_tree(root, domains=("art", "photo", "sketch"), classes=("cat", "
                 Image.fromarray(pixels).save(root / d / c / f"{k}.jpg")
 
 
+def image_folder(root, domains=("a", "b"), classes=("x", "y")) -> str:
+    """A tiny DATA_DIR/<domain>/<class>/<image> folder: two 8x8 PNGs per class."""
+    for domain in domains:
+        for name in classes:
+            os.makedirs(root / domain / name)
+            for i in range(2):
+                Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(root / domain / name / f"{i}.png")
+    return str(root)
+
+
 def tiny_folder_config(tmp_path, **overrides):
     """An ImageFolder run of ``tmp_path/data`` (write_image_tree) with the MNIST CNN on
     16x16 inputs, ERM, small batches."""

@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from run_fixtures import image_folder
 
 from sagm_jax import claims, cli
 from sagm_jax.config import all_fields, base_config, config_problems, mnist_config
@@ -288,18 +289,6 @@ def test_ctrl_c_stops_cleanly_and_says_how_to_resume(tmp_path):
 
 
 # --- the pre-start check of test_envs, valid examples, did you mean --------------------
-
-
-def image_folder(root, domains=("a", "b"), classes=("x", "y")):
-    """A tiny DATA_DIR/<domain>/<class>/<image> folder: two 8x8 PNGs per class."""
-    from PIL import Image
-
-    for domain in domains:
-        for name in classes:
-            os.makedirs(root / domain / name)
-            for i in range(2):
-                Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(root / domain / name / f"{i}.png")
-    return str(root)
 
 
 @pytest.mark.parametrize(

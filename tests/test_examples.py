@@ -12,6 +12,7 @@ import zipfile
 import pytest
 from absl import flags
 from ml_collections import config_flags
+from run_fixtures import image_folder
 
 from sagm_jax import cli, models
 
@@ -45,18 +46,6 @@ def example_of(argv: list[str]) -> list[str]:
     return shlex.split(line[len(cli.PROGRAM) :])
 
 
-def tiny_folder(root, domains=("a", "b"), classes=("x", "y")):
-    """DATA_DIR/<domain>/<class>/<image>: two 8x8 PNGs per class."""
-    from PIL import Image
-
-    for domain in domains:
-        for name in classes:
-            os.makedirs(root / domain / name)
-            for i in range(2):
-                Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(root / domain / name / f"{i}.png")
-    return str(root)
-
-
 def supplied(words: list[str], tmp_path) -> list[str]:
     """The example with its placeholders replaced by what a user brings: DATA_DIR by an
     image folder, a weights file name by a file of that name in a zip archive's format
@@ -64,7 +53,7 @@ def supplied(words: list[str], tmp_path) -> list[str]:
     out = []
     for word in words:
         if word == "--config.data_dir=DATA_DIR":
-            word = f"--config.data_dir={tiny_folder(tmp_path / 'supplied')}"
+            word = f"--config.data_dir={image_folder(tmp_path / 'supplied')}"
         for name in models.WEIGHTS_FILES.values():
             if word == f"--config.pretrained_weights={name}":
                 with zipfile.ZipFile(tmp_path / name, "w") as archive:
@@ -141,7 +130,7 @@ def test_every_example_command_passes_the_checks(name, tmp_path):
     fixed = []
     for word in words:
         if word.endswith("=FOLDER"):
-            folder = folder or tiny_folder(tmp_path / "data")
+            folder = folder or image_folder(tmp_path / "data")
             word = word.replace("=FOLDER", f"={folder}")
         if word == "--workdir=FILE/run":
             (tmp_path / "file").write_text("")
