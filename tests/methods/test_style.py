@@ -68,9 +68,9 @@ def run_steps(steps=2):
 
 def draws(t, which):
     """Pass ``which``'s (alpha [N, 1], permutation [N]) at step t, from the documented
-    derivation: the train step's objective key fold_in(fold_in(key, t), 1), then
-    split(fold_in(., which)) = (dropout, draws), split(draws) = (alpha, permutation)."""
-    objective_key = jax.random.fold_in(jax.random.fold_in(jax.random.key(KEY), t), 1)
+    derivation: the train step's objective key, the third of split(fold_in(key, t), 3),
+    then split(fold_in(., which)) = (dropout, draws), split(draws) = (alpha, permutation)."""
+    objective_key = jax.random.split(jax.random.fold_in(jax.random.key(KEY), t), 3)[2]
     _, draw_key = jax.random.split(jax.random.fold_in(objective_key, which))
     alpha_key, perm_key = jax.random.split(draw_key)
     return (np.asarray(jax.random.uniform(alpha_key, (N, 1), jnp.float32), np.float64),

@@ -367,16 +367,22 @@ def test_two_processes_killed_and_resumed_give_the_two_device_run(tmp_path):
 def test_a_failed_start_leaves_no_workdir_behind(tmp_path):
     """The command line claims its workdir (run.lock) before the run checks what only the
     data can tell; when such a check fails, the new directory is removed again."""
-    env = _run_env()
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    for domain in ("a", "b"):  # lists well (checked before), does not decode (the loader's)
+        (tmp_path / "data" / domain / "x").mkdir(parents=True)
+        (tmp_path / "data" / domain / "x" / "0.png").write_text("not a PNG")
     failed = subprocess.run(
-        _main_command(tmp_path / "run", "--config.batch_per_env=3"),
-        env=env,
+        _main_command(
+            tmp_path / "run",
+            "--config.dataset=ImageFolder",
+            f"--config.data_dir={tmp_path / 'data'}",
+            f"--config.cache_dir={tmp_path / 'cache'}",
+        ),
+        env=_run_env(),
         cwd=REPO,
         capture_output=True,
         text=True,
     )
-    assert failed.returncode == 1 and "does not divide among 8" in failed.stderr, failed.stderr
+    assert failed.returncode == 1 and "do not decode" in failed.stderr, failed.stderr
     assert not os.path.exists(tmp_path / "run")
 
 
