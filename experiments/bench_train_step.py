@@ -13,7 +13,9 @@ Goals: SAGM/SAM <= 1.03 (same two passes); SAGM/ERM <= 2.05 (two
 forward-backward passes are the floor). Setups: a small CNN (DomainBed's MNIST
 CNN) and ResNet-18 at a small resolution; the offline default's network and
 batch (configs/rotated_digits.py); ResNet-50 at 224 (the paper's model, a small
-batch on CPU; `--batch 96` for the paper's on an accelerator).
+batch on CPU; `--batch 96` for the paper's on an accelerator). Every registered
+method's step (objectives, heads, procedures) against ERM's and SAGM's:
+experiments/bench_methods.py.
 """
 
 from __future__ import annotations
