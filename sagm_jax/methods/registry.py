@@ -107,8 +107,10 @@ class OneOf:
 
 def bounds(bounds: str, note: str = "") -> ValueCheck:
     """The check of a method hyperparameter's bounds as ``sagm_jax.methods`` writes them:
-    ``"int >= k"``, ``"one of a, b"`` or an interval of :func:`number`; ``note`` follows
-    the expected value in the message."""
+    ``"int >= k"``, ``"one of a, b"``, ``"bool"`` (True or False) or an interval of
+    :func:`number`; ``note`` follows the expected value in the message."""
+    if bounds == "bool":
+        return kind(bool, "True or False" + note)
     if bounds.startswith("int >= "):
         return integer(int(bounds.split()[-1]), note)
     if bounds.startswith("one of "):
@@ -152,7 +154,7 @@ def choice(values: tuple) -> Distribution:
 class Hyperparameter(NamedTuple):
     """One hyperparameter of a method: its config key, default, meaning, bounds (an
     interval as ``sagm_jax.config`` writes it: ``"> 0"``, ``">= 0"``, ``"[0, 1]"``,
-    ``"int >= 1"``, or ``"one of mean, sum"``), DomainBed's random distribution (None
+    ``"int >= 1"``, ``"one of mean, sum"``, or ``"bool"``), DomainBed's random distribution (None
     where it has none) and a note the config's error adds after the bounds."""
 
     key: str
@@ -451,4 +453,6 @@ def markdown_table() -> str:
 
 
 def _text(value) -> str:
+    if isinstance(value, bool):
+        return str(value)
     return f"{value:g}" if isinstance(value, (int, float)) else str(value)
