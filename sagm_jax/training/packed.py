@@ -341,7 +341,9 @@ def _restore(members: list[Member], states):
                 lane = restored
                 print(f"{member.rundir.workdir}: resumed at step {int(lane.step)}.")
             member.start = int(lane.step)
-            member.records = member.rundir.records_before(member.start)
+            member.records = train_lib.records_before(  # a lost last record made again
+                member.config, member.program, member.rundir, member.checkpoints, lane
+            )
             if member.config.swad:
                 member.swad = SwadRun(member.config, member.program.train_envs, member.records)
         lanes.append(jax.device_get(lane))

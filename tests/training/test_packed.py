@@ -233,9 +233,10 @@ def test_vmapped_runs_record_what_the_runs_alone_record(tmp_path):
 
 @pytest.mark.parametrize("lanes", packed.LANES)
 def test_a_pack_stopped_between_two_runs_saves_resumes_bit_for_bit(tmp_path, monkeypatch, lanes):
-    """Stopped after the first run saved step 2 and before the second did: the relaunched
-    pack resumes the runs at steps 3 and 1, and every record and final parameter is the
-    uninterrupted pack's, bit for bit."""
+    """Stopped after the first run saved step 2 and before the second did, the first
+    run's last record line torn: the relaunched pack makes that record again from its
+    checkpoint, resumes the runs at steps 3 and 1, and every record and final parameter
+    is the uninterrupted pack's, bit for bit."""
     configs = _configs([dict(lr=1e-3), dict(lr=2e-3, test_envs=(1,), seed=1)], algorithm="sagm")
     reference = [str(tmp_path / f"reference{r}") for r in range(2)]
     packed.train_pack(configs, reference, lanes=lanes)
@@ -252,6 +253,9 @@ def test_a_pack_stopped_between_two_runs_saves_resumes_bit_for_bit(tmp_path, mon
         packed.train_pack(configs, dirs, lanes=lanes)
     monkeypatch.setattr(checkpoints_lib.Checkpoints, "save", save)
     assert [r["step"] for r in read_records(dirs[0])] == [0, 2]
+    results = os.path.join(dirs[0], "results.jsonl")  # and the first run's last line torn
+    with open(results, "rb+") as f:
+        f.truncate(os.path.getsize(results) - 40)
     packed.train_pack(configs, dirs, lanes=lanes)
     for r in range(2):
         assert _records(dirs[r]) == _records(reference[r])
