@@ -121,15 +121,19 @@ def init_state(name: str, num_domains: int) -> dict:
     return {} if entry.init_state is None else entry.init_state(num_domains)
 
 
-def reset_optimizer_step(name: str, hp: dict) -> int | None:
+def reset_optimizer_step(name: str, hp: dict) -> int | tuple | None:
     """The step before whose update a fresh optimizer replaces the old one: the value of
     the entry's ``restart_key`` (IRM's and VREx's anneal length A; the reference replaces
-    Adam before the update of step A, whose penalty weight first is lambda). None for
-    the objectives that never reset it."""
+    Adam before the update of step A, whose penalty weight first is lambda), a tuple of
+    steps for a tuple of keys (IB_IRM's two anneals). None for the objectives that never
+    reset it."""
     entry = objective(name)
     if entry.restart_key is None:
         return None
-    return settings(entry.method, hp)[entry.restart_key]  # traced in a pack
+    values = settings(entry.method, hp)  # traced in a pack
+    if isinstance(entry.restart_key, tuple):
+        return tuple(values[key] for key in entry.restart_key)
+    return values[entry.restart_key]
 
 
 def objective_loss(

@@ -191,8 +191,9 @@ class Objective(NamedTuple):
     # for an objective without state.
     init_state: Callable[[int], dict] | None = None
     # The hyperparameter whose value is the step before which a fresh optimizer replaces
-    # the old one (IRM's and VREx's anneal length); None for no restart.
-    restart_key: str | None = None
+    # the old one (IRM's and VREx's anneal length), a tuple of them for several restarts
+    # (IB_IRM's two anneals); None for no restart.
+    restart_key: str | tuple[str, ...] | None = None
     # A DomainBed algorithm whose row is its own name under ERM ("CORAL", not
     # "ERM + CORAL"); Mixup and CutMix keep "ERM + ", as the paper's Table 2 prints them.
     label_alone: bool = False

@@ -276,13 +276,16 @@ def _perturbed_gradient(loss_fn, key, mixstyle, objective_state):
     return grad_fn
 
 
-def _restarted(optimizer, state: TrainState, reset_step: int | None):
+def _restarted(optimizer, state: TrainState, reset_step: int | tuple | None):
     """The optimizer state for this step: ``optimizer.init`` at ``reset_step`` (IRM's and
-    VREx's fresh Adam at the end of their anneal, head included), else the state's."""
+    VREx's fresh Adam at the end of their anneal, head included; at any step of a tuple,
+    IB_IRM's two anneals), else the state's."""
     if reset_step is None:
         return state.opt_state
+    steps = reset_step if isinstance(reset_step, tuple) else (reset_step,)
+    restart = jnp.any(jnp.stack([state.step == s for s in steps]))
     return jax.tree.map(
-        lambda fresh, old: jnp.where(state.step == reset_step, fresh, old),
+        lambda fresh, old: jnp.where(restart, fresh, old),
         optimizer.init(state.params),
         state.opt_state,
     )
