@@ -79,6 +79,9 @@ DOMAINBED_NAMES = {
     "and_mask_tau": "tau",
     "mldg_n_meta_test": "n_meta_test",
     "dann_lambda": "lambda",
+    "fishr_lambda": "lambda",
+    "fishr_penalty_anneal_iters": "penalty_anneal_iters",
+    "fishr_ema": "ema",
 }
 # DomainBed's other defaults and draws on its SMALL_IMAGES (DANN's and CDANN's).
 MNIST_METHOD_HPARAMS = {

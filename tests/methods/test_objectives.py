@@ -46,7 +46,9 @@ def make_batch(num_domains, per_domain, seed=0):
 
 # The objectives a forward of the network alone evaluates: MTL's loss reads its own
 # classifier from Step.params (tests/methods/test_adaptive.py checks it).
-NETWORK_ALONE = [name for name in methods.OBJECTIVES if name not in ("mtl", "miro")]
+# Fishr differentiates the network's classifier (Step.params) and keeps its EMA in the
+# method's batch_stats (tests/methods/test_fishr.py checks it).
+NETWORK_ALONE = [name for name in methods.OBJECTIVES if name not in ("mtl", "miro", "fishr")]
 
 
 def make_forward(params, calls=None, dtype=jnp.float32):
