@@ -109,9 +109,10 @@ def test_domainbed_distributions_draw_inside_their_stated_ranges():
                 base = float(text.removeprefix("int(").split("^")[0])
                 low, high = (float(v) for v in text.split("U(")[1].rstrip(")").split(","))
                 assert base**low - 1 <= value <= base**high, (hp.key, value)
-            elif text.startswith("U("):
-                low, high = (float(v) for v in text[2:-1].split(","))
-                assert low <= value <= high
+            elif text.removeprefix("int(").startswith("U("):  # U(a,b), int(U(a,b))
+                bounds = text.removeprefix("int(").removeprefix("U(").rstrip(")")
+                low, high = (float(v) for v in bounds.split(","))
+                assert low <= value <= high, (hp.key, value)
             else:
                 assert f"{value:g}" in text, (hp.key, value)
 
