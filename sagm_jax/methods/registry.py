@@ -204,6 +204,9 @@ class Objective(NamedTuple):
     # The modules the method trains beside the network and its own prediction
     # (``sagm_jax.methods.networks.MethodNetwork``); None for a loss of the network alone.
     network: object = None
+    # The hyperparameter whose value is the learning rate of the fresh optimizer of a
+    # ``restart_key`` restart (EQRM's eqrm_lr), kept from then on; None keeps ``lr``.
+    restart_lr_key: str | None = None
 
     @property
     def name(self) -> str:

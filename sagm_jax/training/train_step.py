@@ -27,10 +27,11 @@ draws of the objective (Mixup's pairs, CutMix's box) and the objective state the
 pass advanced to (GroupDRO's ``q`` moves once per step). With DISAM the clean pass also
 gives ``g_DI = grad (L_B - lambda Var_m L_m)`` from the same forward, and the head
 perturbs along it. IRM's and VREx's Adam restarts (all optimizer state back to
-``init``) at the end of their anneal. A procedure (Fish, AND-mask, MLDG) replaces the
-three lines: it updates from each domain's gradient (``sagm_jax.methods.procedures``), or
-(DANN, CDANN, SagNet, mDSDI) from passes over the whole batch at parameters it
-chooses, drawing its dropout from keys it folds from its own. Random
+``init``) at the end of their anneal; EQRM's, at the end of its burn-in, also steps at
+its own learning rate from then on (the updates scaled by eqrm_lr / lr). A procedure
+(Fish, AND-mask, MLDG) replaces the three lines: it updates from each domain's gradient
+(``sagm_jax.methods.procedures``), or (DANN, CDANN, SagNet, mDSDI) from passes over the
+whole batch at parameters it chooses, drawing its dropout from keys it folds from its own. Random
 draws derive from ``fold_in(key, step)``, so a resumed run repeats them.
 
 Choices the reference leaves implicit, stated here:
@@ -63,7 +64,7 @@ from sagm_jax.methods.procedures import BatchPasses
 from sagm_jax.config import section
 from sagm_jax.data import device_augment
 from sagm_jax.models.resnet import INTERMEDIATES
-from sagm_jax.methods.registry import update_rule
+from sagm_jax.methods.registry import settings, update_rule
 from sagm_jax.methods.update_rules import domain_loss_variance
 
 
@@ -167,12 +168,14 @@ def _intermediates_at(model, compute_dtype):
 
 class StepMethod(NamedTuple):
     """What a train step computes besides the model and the update rule: the objective
-    and its hyperparameters, the number of training domains, and DISAM's weight."""
+    and its hyperparameters, the number of training domains, and DISAM's weight; the
+    run's learning rate ``lr`` (read by an objective whose restart changes it: EQRM)."""
 
     objective: str = "erm"
     hyperparameters: dict = {}
     num_domains: int = 1
     disam_lambda: float = 0.0
+    learning_rate: Any = None
 
 
 def step_keys(key, step):
@@ -215,6 +218,7 @@ def make_train_step(
     is_procedure = rule.kind == "procedure"
     clean_mixstyle = use_mixstyle and rule.clean_pass_mixstyle
     reset_step = objectives.reset_optimizer_step(method.objective, method.hyperparameters)
+    rescaled = _restart_learning_rate(method, reset_step)
 
     def train_step(state: TrainState, batch, key):
         clean_key, perturbed_key, objective_key = step_keys(key, state.step)
@@ -255,7 +259,7 @@ def make_train_step(
             metrics, batch_stats = jax.lax.pmean((metrics, batch_stats), axis_name)
         state = state.replace(
             step=state.step + 1,
-            params=optax.apply_updates(state.params, updates),
+            params=optax.apply_updates(state.params, rescaled(updates, state.step)),
             batch_stats=batch_stats,
             opt_state=opt_state,
             objective_state=objective_state,
@@ -289,6 +293,31 @@ def _restarted(optimizer, state: TrainState, reset_step: int | tuple | None):
         optimizer.init(state.params),
         state.opt_state,
     )
+
+
+def _restart_learning_rate(method: StepMethod, reset_step):
+    """``rescaled(updates, step)``: the updates times ``new_lr / lr`` from the restart on
+    (the objective's ``restart_lr_key``: EQRM's fresh Adam at eqrm_lr), else as given.
+    Exact: the rule's chain ends in ``-lr * Adam(...)`` and the moments do not read lr.
+    A restart step that is not a whole number never comes (DomainBed compares the step
+    with ``==``), so neither does the new rate."""
+    key = objectives.objective(method.objective).restart_lr_key
+    if key is None:
+        return lambda updates, step: updates
+    if method.learning_rate is None or isinstance(reset_step, tuple):
+        raise ValueError(f"objective {method.objective}: its restart changes the learning "
+                         "rate; StepMethod.learning_rate (the run's lr) is needed, with one "
+                         "restart step.")
+    new_rate = settings(objectives.objective(method.objective).method,
+                        method.hyperparameters)[key]
+    factor = jnp.asarray(new_rate, jnp.float32) / jnp.asarray(method.learning_rate, jnp.float32)
+
+    def rescaled(updates, step):
+        after = (step >= reset_step) & (jnp.floor(reset_step) == reset_step)
+        scale = jnp.where(after, factor, jnp.float32(1.0))
+        return jax.tree.map(lambda u: u * scale.astype(u.dtype), updates)
+
+    return rescaled
 
 
 def _clean_gradients(loss_fn, state: TrainState, key, mixstyle, disam_lambda: float):
@@ -368,6 +397,7 @@ def run_train_step(config, model: nn.Module, optimizer, num_domains: int, mesh=N
             hyperparameters=section(config, "method"),
             num_domains=num_domains,
             disam_lambda=config.disam_lambda,
+            learning_rate=config.lr,
         ),
         use_mixstyle=config.mixstyle,
         train_batchnorm=not config.freeze_batchnorm,
