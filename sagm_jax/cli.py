@@ -323,18 +323,29 @@ def reference_defaults(config: ml_collections.ConfigDict, argv: Sequence[str]) -
     """Sets what a method's reference fixes where the command line leaves it: ARM's
     ``batch_per_env`` outside the MNIST-like datasets (DomainBed's ``hparams_registry``:
     8, ``sagm_jax.sweep.hparams.FIXED_IMAGE_BATCH``; the sweep's default and draws are
-    the same). Returns a line for the user for each setting it changed."""
+    the same). Returns a line for the user for each setting it changed, and one where an
+    objective named on the command line trains under the config file's update rule
+    rather than its reference's plain Adam (``algorithm=erm``): the offline default's
+    ``--config.objective=mtl`` alone is MTL + SAGM, which DomainBed's MTL is not."""
     from sagm_jax.data.registry import DATASETS
     from sagm_jax.sweep.hparams import FIXED_IMAGE_BATCH, is_mnist_like
 
-    objective, dataset = config.get("objective"), config.get("dataset")
+    objective, dataset, given = config.get("objective"), config.get("dataset"), _given_keys(argv)
+    lines = []
+    if "objective" in given and "algorithm" not in given and "erm" not in (
+        objective, config.get("algorithm")
+    ):
+        lines.append(
+            f"objective={objective} trains under algorithm={config.algorithm} (the config "
+            "file's); its reference steps with plain Adam: --config.algorithm=erm."
+        )
     size = FIXED_IMAGE_BATCH.get(objective)
     if (size is None or dataset not in DATASETS or is_mnist_like(dataset)
-            or "batch_per_env" in _given_keys(argv) or config.batch_per_env == size):
-        return []
+            or "batch_per_env" in given or config.batch_per_env == size):
+        return lines
     config.batch_per_env = size
-    return [f"objective={objective}: batch_per_env={size}, DomainBed's batch for it on "
-            f"{dataset} (--config.batch_per_env=N sets another)."]
+    return lines + [f"objective={objective}: batch_per_env={size}, DomainBed's batch for it "
+                    f"on {dataset} (--config.batch_per_env=N sets another)."]
 
 
 def _given_keys(argv: Sequence[str]) -> list[str]:

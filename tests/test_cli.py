@@ -596,6 +596,29 @@ def test_arm_trains_on_domainbeds_batch_of_8_unless_the_command_line_sets_one(
     before = config.batch_per_env
     lines = cli.reference_defaults(config, argv)
     assert config.batch_per_env == expected
+    lines = [line for line in lines if "batch_per_env" in line]
     assert bool(lines) == (expected != before)
     if lines:
         assert "batch_per_env=8" in lines[0] and "--config.batch_per_env=N" in lines[0]
+
+
+@pytest.mark.parametrize(
+    "argv,says",
+    [
+        (["main", "--config.objective=mtl"], True),  # MTL + the config's SAGM
+        (["main", "--config.objective=mtl", "--config.algorithm=sagm"], False),  # meant
+        (["main", "--config.objective=mtl", "--config.algorithm=erm"], False),
+        (["main", "--config.algorithm=sam"], False),  # no objective named
+    ],
+)
+def test_an_objective_named_alone_is_told_it_trains_under_the_configs_rule(argv, says):
+    """configs/rotated_digits.py's rule is SAGM: ``--config.objective=mtl`` alone trains
+    MTL + SAGM, not DomainBed's MTL (plain Adam); the start says so, and how to get it."""
+    config = cli.load_config_file(os.path.join(REPO, DIGITS))
+    for word in argv[1:]:
+        key, value = word[len("--config."):].split("=")
+        config[key] = value
+    lines = cli.reference_defaults(config, argv)
+    assert bool(lines) == says, lines
+    if says:
+        assert "algorithm=sagm" in lines[0] and "--config.algorithm=erm" in lines[0]
