@@ -148,4 +148,6 @@ register_objective(Objective(
     ), "alpha-quantile of the domains' risks through a Gaussian KDE, after an ERM burn-in",
         "DomainBed (Eastwood et al. 2022)"),
     _eqrm, restart_key="eqrm_burnin_iters", restart_lr_key="eqrm_lr", label_alone=True,
+    min_train_domains=2, min_domains_reason="EQRM's kernel density estimate needs the "
+    "unbiased standard deviation of the domains' risks, which one domain leaves undefined",
 ))

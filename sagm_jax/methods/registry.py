@@ -207,6 +207,10 @@ class Objective(NamedTuple):
     # The hyperparameter whose value is the learning rate of the fresh optimizer of a
     # ``restart_key`` restart (EQRM's eqrm_lr), kept from then on; None keeps ``lr``.
     restart_lr_key: str | None = None
+    # The fewest training domains the loss is defined for, and why (the config refuses
+    # fewer before a run where the dataset's domains are known): EQRM's bandwidth.
+    min_train_domains: int = 1
+    min_domains_reason: str = ""
 
     @property
     def name(self) -> str:

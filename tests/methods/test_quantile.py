@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from scipy import optimize, special, stats
 
+from sagm_jax.config import config_problems
 from sagm_jax.methods import quantile
 from sagm_jax.methods.update_rules import rule_optimizer
 from sagm_jax.sweep.hparams import random_hparams
@@ -215,6 +216,14 @@ def test_three_steps_match_domainbeds_update(burnin, algorithm):
 
 
 def test_eqrm_refuses_one_training_domain_and_needs_the_learning_rate():
+    """Before a run, where the dataset's domains are known (RotatedDigits: 6); at the
+    step's trace otherwise (an image folder's are listed at set-up)."""
+    one = config_problems(digits_config(objective="eqrm", test_envs=(0, 1, 2, 3, 4)))
+    assert one == ["config.objective=eqrm with 1 training environment(s) (config.test_envs="
+                   "(0, 1, 2, 3, 4)): EQRM's kernel density estimate needs the unbiased "
+                   "standard deviation of the domains' risks, which one domain leaves "
+                   "undefined; hold out fewer environments, so that 2 or more train."]
+    assert config_problems(digits_config(objective="eqrm", test_envs=(0, 1, 2, 3))) == []
     net = TinyNet()
     variables = net.init(jax.random.key(0), jnp.zeros((1, HEIGHT, WIDTH, CHANNELS)), train=False)
     opt = rule_optimizer("erm", {}, learning_rate=LR, weight_decay=0.0)
