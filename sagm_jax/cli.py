@@ -482,7 +482,9 @@ def _example(config, workdir: str, argv: Sequence[str], device_count) -> list[st
     invalid = {key for key, _ in config_lib.field_problems(config, device_count)} | set(fixes)
     invalid |= {k for k in _given_keys(argv) if config_lib.unused_setting_problems(config, [k])}
     data = _data_problems(config)
-    if any(p.startswith("config.test_envs=") for p in data):
+    # test_envs the data or the method cannot train with (EQRM's one environment): the
+    # config file's stand.
+    if any(p.startswith("config.test_envs=") for p in data + config_lib.method_problems(config)):
         invalid.add("test_envs")
     if config.arch not in models.WEIGHTS_FILES and config_lib.weights_problem(config):
         invalid.add("pretrained_weights")  # weights given to a network that takes none

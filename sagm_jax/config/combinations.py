@@ -62,9 +62,9 @@ def method_problems(config: ml_collections.ConfigDict) -> list[str]:
     train_envs = training_environments(config)
     if train_envs is not None and train_envs < entry.min_train_domains:
         problems.append(
-            f"config.objective={objective} with {train_envs} training environment(s) "
-            f"(config.test_envs={config.get('test_envs')}): {entry.min_domains_reason}; hold "
-            f"out fewer environments, so that {entry.min_train_domains} or more train."
+            f"config.test_envs={config.get('test_envs')} with config.objective={objective}: "
+            f"{train_envs} training environment(s); {entry.min_domains_reason}; hold out "
+            f"fewer environments, so that {entry.min_train_domains} or more train."
         )
     return [p for p in problems + [mldg_problem(config)] if p]
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from scipy import optimize, special, stats
 
+from sagm_jax import cli
 from sagm_jax.config import config_problems
 from sagm_jax.methods import quantile
 from sagm_jax.methods.update_rules import rule_optimizer
@@ -26,6 +27,7 @@ from sagm_jax.training.train_step import StepMethod, create_train_state, make_tr
 
 from float64_reference import adam_init, f64, ref_ce, torch_adam
 from run_fixtures import digits_config
+from test_examples import DIGITS, example_of, parse
 
 HEIGHT, WIDTH, CHANNELS, DIM, CLASSES = 3, 3, 2, 3, 4
 M, B = 4, 5
@@ -219,8 +221,8 @@ def test_eqrm_refuses_one_training_domain_and_needs_the_learning_rate():
     """Before a run, where the dataset's domains are known (RotatedDigits: 6); at the
     step's trace otherwise (an image folder's are listed at set-up)."""
     one = config_problems(digits_config(objective="eqrm", test_envs=(0, 1, 2, 3, 4)))
-    assert one == ["config.objective=eqrm with 1 training environment(s) (config.test_envs="
-                   "(0, 1, 2, 3, 4)): EQRM's kernel density estimate needs the unbiased "
+    assert one == ["config.test_envs=(0, 1, 2, 3, 4) with config.objective=eqrm: 1 training "
+                   "environment(s); EQRM's kernel density estimate needs the unbiased "
                    "standard deviation of the domains' risks, which one domain leaves "
                    "undefined; hold out fewer environments, so that 2 or more train."]
     assert config_problems(digits_config(objective="eqrm", test_envs=(0, 1, 2, 3))) == []
@@ -234,6 +236,18 @@ def test_eqrm_refuses_one_training_domain_and_needs_the_learning_rate():
     data = batch(0)
     with pytest.raises(ValueError, match="at least 2 training domains"):
         step(create_train_state(variables, opt, {}), data, jax.random.key(0))
+
+
+def test_the_refusals_example_command_passes_the_checks(tmp_path):
+    """The command line's refusal (exit 2) and its "For example:" command, which keeps
+    the objective and takes the config file's test environments."""
+    argv = ["main", f"--config={DIGITS}", "--config.objective=eqrm",
+            "--config.test_envs=(0,1,2,3,4)", f"--workdir={tmp_path / 'run'}"]
+    example = example_of(argv)
+    assert "--config.objective=eqrm" in example
+    assert not any(word.startswith("--config.test_envs") for word in example)
+    config, workdir = parse(["main", *example])
+    cli.preflight(config, workdir, ["main", *example], 1)
 
 
 # ---------------------------------------------------------------- a run, the search
