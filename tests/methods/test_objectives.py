@@ -167,7 +167,9 @@ def test_one_forward_float32_losses_and_metrics(objective):
     expected = {"coral": {"loss", "penalty"}, "mmd": {"loss", "penalty"},
                 "irm": {"loss", "nll", "penalty"}, "vrex": {"loss", "nll", "penalty"},
                 "ib_erm": {"loss", "nll", "IB_penalty"},
-                "ib_irm": {"loss", "nll", "IRM_penalty", "IB_penalty"}}
+                "ib_irm": {"loss", "nll", "IRM_penalty", "IB_penalty"},
+                "cad": {"loss", "clf_loss", "bn_loss"},
+                "condcad": {"loss", "clf_loss", "bn_loss"}}
     assert set(aux.metrics) == expected.get(objective, {"loss"})
     assert all(v.dtype == jnp.float32 and v.shape == () for v in aux.metrics.values())
 
