@@ -113,8 +113,9 @@ def test_domainbed_distributions_draw_inside_their_stated_ranges():
                 bounds = text.removeprefix("int(").removeprefix("U(").rstrip(")")
                 low, high = (float(v) for v in bounds.split(","))
                 assert low <= value <= high, (hp.key, value)
-            else:
-                assert f"{value:g}" in text, (hp.key, value)
+            else:  # a choice or fixed value; a boolean as Python writes it
+                shown = str(value) if isinstance(value, bool) else f"{value:g}"
+                assert shown in text, (hp.key, value)
 
 
 def test_the_methods_page_lists_every_method_as_the_tables_say():
