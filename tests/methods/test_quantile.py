@@ -15,11 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from scipy import optimize, special, stats
 
 from sagm_jax import cli
 from sagm_jax.config import config_problems
-from sagm_jax.methods import quantile
+from sagm_jax.methods import objectives, quantile
 from sagm_jax.methods.update_rules import rule_optimizer
 from sagm_jax.sweep.hparams import random_hparams
 from sagm_jax.training import train
@@ -215,6 +216,37 @@ def test_three_steps_match_domainbeds_update(burnin, algorithm):
             np.testing.assert_allclose(float(metrics["loss"]), float(value), **TOL)
             for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(p), strict=True):
                 np.testing.assert_allclose(np.asarray(a), np.asarray(b), **TOL)
+
+
+@pytest.mark.parametrize("gradient", ["bisection", "implicit"])
+def test_one_and_five_devices_agree_after_the_burn_in(gradient):
+    """The risks are each whole domain's (the global batch's), also with the 20 rows
+    sharded over 5 devices (4 rows each: every domain of 5 straddles two shards), so the
+    quantile and its gradient are the one-device ones."""
+    hp = {"eqrm_burnin_iters": 1.0, "eqrm_gradient": gradient}
+    net = TinyNet()
+    params = net.init(jax.random.key(0), jnp.zeros((1, HEIGHT, WIDTH, CHANNELS)), False)["params"]
+    data = batch(0)
+
+    def loss(p, x, y):
+        def forward(images):
+            h, logits = net.apply({"params": p}, images, False, features=True)
+            return objectives.Outputs(h, logits, {})
+
+        return objectives.objective_loss("eqrm", hp, forward, x, y, num_domains=M, state={},
+                                         step=jnp.int32(4), key=None, advance=True)[0]
+
+    results = []
+    for devices in (jax.devices()[:1], jax.devices()[:5]):
+        mesh = Mesh(np.array(devices), ("batch",))
+        rows, same = NamedSharding(mesh, P("batch")), NamedSharding(mesh, P())
+        args = (jax.device_put(params, same), jax.device_put(data["image"], rows),
+                jax.device_put(data["label"], rows))
+        results.append(jax.jit(jax.value_and_grad(loss))(*args))
+    (one, grad_one), (many, grad_many) = results
+    np.testing.assert_allclose(float(many), float(one), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grad_many), jax.tree.leaves(grad_one), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
 
 
 def test_eqrm_refuses_one_training_domain_and_needs_the_learning_rate():
