@@ -85,11 +85,11 @@ def ref_quantile_loss(risks, alpha, c):
 QUANTILE = jax.jit(quantile.kde_quantile, static_argnums=2)
 GRADIENT = jax.jit(jax.grad(quantile.kde_quantile), static_argnums=2)
 
-RISKS = [np.array([0.31, 0.52, 0.93, 1.41, 0.74]), np.array([2.0, 2.1]),
-         np.array([0.05, 0.06, 0.9, 0.91, 3.0, 0.4])]
+# Five risks with two close pairs and an outlier; the fewest EQRM takes (two).
+RISKS = [np.array([0.05, 0.06, 0.93, 0.91, 3.0]), np.array([2.0, 2.1])]
 
 
-@pytest.mark.parametrize("risks", RISKS, ids=["five", "two", "six"])
+@pytest.mark.parametrize("risks", RISKS, ids=["five", "two"])
 @pytest.mark.parametrize("alpha", [0.5, 0.75, 0.97])
 def test_quantile_and_its_gradient_are_the_references(risks, alpha):
     """The value is the root of F(x) = alpha (SciPy); the default gradient is the
