@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from float64_reference import adam_init, f64, ref_ce, torch_adam
+from run_fixtures import digits_config
 
 from sagm_jax import methods
 from sagm_jax.methods import fishr, networks, objectives
@@ -23,13 +25,10 @@ from sagm_jax.sweep.hparams import random_hparams
 from sagm_jax.training import train
 from sagm_jax.training.train_step import StepMethod, create_train_state, make_train_step
 
-from float64_reference import adam_init, f64, ref_ce, torch_adam
-from run_fixtures import digits_config
-
 HEIGHT, WIDTH, CHANNELS, DIM, CLASSES = 3, 4, 2, 5, 4
 M, B = 3, 4  # domains, rows per domain
 LR = 0.01
-TOL = dict(rtol=2e-4, atol=2e-6)
+TOL = {"rtol": 2e-4, "atol": 2e-6}
 
 
 class TinyNet(nn.Module):
@@ -186,7 +185,7 @@ def test_three_adam_steps_match_domainbeds_update(correction):
             if t == hp["fishr_penalty_anneal_iters"] != 0:
                 adam = adam_init(p)  # DomainBed's _init_optimizer
 
-            def objective(q):
+            def objective(q, x=x, y=y, t=t):
                 return ref_fishr_objective(q, x, y, averages, t, hp)
 
             (value, (nll, penalty)), g = jax.value_and_grad(objective, has_aux=True)(p)
@@ -267,8 +266,10 @@ def test_fishr_under_sagm_trains_on_rotated_digits(tmp_path):
     """The penalty switches on and Adam restarts inside the run (anneal 1); the records
     carry DomainBed's loss, nll and penalty."""
     records = train.train_and_evaluate(
-        digits_config(objective="fishr", algorithm="sagm", steps=3, eval_every=2,
+        digits_config(objective="fishr", algorithm="sagm", steps=2, eval_every=1,
                       fishr_penalty_anneal_iters=1), str(tmp_path))
-    assert [r["step"] for r in records] == [0, 2]
+    assert [r["step"] for r in records] == [0, 1]
     assert all(np.isfinite(r[k]) for r in records for k in ("loss", "nll", "penalty"))
     assert records[-1]["penalty"] > 0
+    # weight 0 at step 0, fishr_lambda from step 1 (each record is one step's values)
+    assert records[0]["loss"] == records[0]["nll"] and records[1]["loss"] > records[1]["nll"]
