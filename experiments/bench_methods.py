@@ -41,6 +41,8 @@ M, N_META_TEST = 5, 2  # RotatedDigits with test_envs (0,): 5 training domains; 
 PASSES = {
     "erm": 1, "mixup": 1, "cutmix": 1, "org_mixup": 1, "coral": 1, "mmd": 1,
     "groupdro": 1, "irm": 1, "vrex": 1, "rsc": 1, "selfreg": 1, "mtl": 1,
+    # Fishr: the per-example gradients and their backward are of the linear head only.
+    "fishr": 1,
     # ARM: the context network's forward (5x5 convolutions 1-64-64-1 at 28x28: 82.8M
     # multiply-adds an image) against the CNN's forward-backward (3 x 4.63M).
     "arm": 1 + 82.8 / (3 * 4.63),
