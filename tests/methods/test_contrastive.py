@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from float64_reference import adam_init, f64, ref_ce, torch_adam
 from ml_collections import ConfigDict
 from run_fixtures import digits_config
 
-from float64_reference import adam_init, f64, ref_ce, torch_adam
 from sagm_jax import methods
 from sagm_jax.config import validate
 from sagm_jax.methods import contrastive, networks
@@ -30,7 +30,7 @@ from sagm_jax.training.train_step import StepMethod, create_train_state, make_tr
 HEIGHT, WIDTH, CHANNELS, DIM, CLASSES = 2, 3, 1, 5, 4
 M, B = 3, 4  # domains, rows per domain
 LR = 0.01
-TOL = dict(rtol=2e-4, atol=2e-6)
+TOL = {"rtol": 2e-4, "atol": 2e-6}
 # Step 0's labels (domains 0, 1, 2): class 3 occurs once (CAD drops that row), class 2
 # only in domain 1 (CondCAD's flipped loss drops those rows), and some rows have no
 # same-label partner in their own domain (CondCAD's unflipped loss drops them).
