@@ -44,8 +44,8 @@ import jax.numpy as jnp
 
 from sagm_jax.methods.objectives import (
     _MMD_GAMMA,
-    _gaussian_kernels,
     Step,
+    _gaussian_kernels,
     domain_losses,
     make_aux,
 )

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from float64_reference import adam_init, f64, ref_ce, torch_adam
+from run_fixtures import digits_config
 
 from sagm_jax import methods
 from sagm_jax.config import config_problems
@@ -30,9 +32,6 @@ from sagm_jax.training.train_step import (
     make_train_step,
     step_keys,
 )
-
-from float64_reference import adam_init, f64, ref_ce, torch_adam
-from run_fixtures import digits_config
 
 HEIGHT, WIDTH, CHANNELS, DIM, CLASSES = 3, 4, 2, 5, 4
 M, B = 3, 4  # domains, rows per domain

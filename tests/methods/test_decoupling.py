@@ -13,14 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from float64_reference import adam_init, f64, ref_ce, torch_adam
 
 from sagm_jax import methods
 from sagm_jax.config import config_problems
 from sagm_jax.methods.update_rules import rule_optimizer
 from sagm_jax.sweep.hparams import random_hparams
 from sagm_jax.training.train_step import StepMethod, create_train_state, make_train_step
-
-from float64_reference import adam_init, f64, ref_ce, torch_adam
 
 HEIGHT, WIDTH, CHANNELS, DIM, CLASSES = 3, 4, 2, 5, 4
 M, B = 3, 4  # domains, rows per domain
