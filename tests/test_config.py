@@ -555,8 +555,9 @@ def test_swad_says_that_it_replaces_eval_every():
         (
             {"mmd_gamma": 2.0},
             {"algorithm": "erm"},
-            "of objectives coral, mmd, not of this run's objective erm and update rule erm; "
-            "add --config.objective=coral (or mmd)",
+            "of objectives coral, mmd, causirl_coral, causirl_mmd, not of this run's objective "
+            "erm and update rule erm; add --config.objective=coral (or mmd, causirl_coral, "
+            "causirl_mmd)",
         ),
         ({"alpha": 1e-3}, {"algorithm": "sam"}, "alpha is a hyperparameter of update rule sagm"),
         ({"rho": 0.1}, {"algorithm": "erm"}, "rho is a hyperparameter of update rules sam, gsam"),
