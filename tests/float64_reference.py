@@ -1,9 +1,11 @@
 """Float64 re-statements that the method tests share: a cast of a pytree to float64,
-PyTorch's Adam on pytrees, and the per-row cross-entropy.
+PyTorch's Adam on pytrees, and the per-row cross-entropy; and the tiny network most of
+them train (:class:`TanhNet`) with its float64 forward (:func:`tanh_net`).
 
 Each test re-states its method's reference update with these (never with the code it
 checks); the arrays are JAX float64 (the tests enable ``jax_enable_x64``) or NumPy."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,3 +38,22 @@ def torch_adam(params, grads, state, lr, wd, betas=(0.9, 0.999)):
     new = jax.tree.map(lambda w, a, b: w - lr * (a / (1 - b1**t))
                        / (jnp.sqrt(b) / np.sqrt(1 - b2**t) + 1e-8), params, m, v)
     return new, {"t": t, "m": m, "v": v}
+
+
+class TanhNet(nn.Module):
+    """features = tanh(flatten(x) @ body + b), logits = features @ classifier + c."""
+
+    dim: int
+    classes: int
+
+    @nn.compact
+    def __call__(self, x, train: bool, mixstyle: bool = False, features: bool = False):
+        h = jnp.tanh(nn.Dense(self.dim, name="body")(x.reshape(x.shape[0], -1)))
+        logits = nn.Dense(self.classes, name="classifier")(h)
+        return (h, logits) if features else logits
+
+
+def tanh_net(p, x):
+    """:class:`TanhNet`'s (features, logits) from its parameters ``p``, in their dtype."""
+    h = jnp.tanh(x.reshape(len(x), -1) @ p["body"]["kernel"] + p["body"]["bias"])
+    return h, h @ p["classifier"]["kernel"] + p["classifier"]["bias"]

@@ -8,7 +8,6 @@ featurizer and classifier (``TinyNet``); whole train steps run through
 are the method's prediction, and DomainBed's 4-channel stem is checked on synthetic
 torchvision weights."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +19,7 @@ from sagm_jax.methods.update_rules import rule_optimizer
 from sagm_jax.training import train_step as train_step_lib
 from sagm_jax.training.train_step import StepMethod, create_train_state, make_train_step
 
-from float64_reference import adam_init, f64, ref_ce, torch_adam
+from float64_reference import TanhNet, adam_init, f64, ref_ce, tanh_net, torch_adam
 
 HEIGHT, WIDTH, CHANNELS, DIM, CLASSES = 4, 5, 2, 3, 4
 M, B = 2, 3  # domains, rows per domain (the support size)
@@ -28,14 +27,8 @@ LR = 0.01
 TOL = dict(rtol=2e-4, atol=2e-6)
 
 
-class TinyNet(nn.Module):
-    """features = tanh(flatten(x) @ body + b), logits = features @ classifier + c."""
-
-    @nn.compact
-    def __call__(self, x, train: bool, mixstyle: bool = False, features: bool = False):
-        h = jnp.tanh(nn.Dense(DIM, name="body")(x.reshape(x.shape[0], -1)))
-        logits = nn.Dense(CLASSES, name="classifier")(h)
-        return (h, logits) if features else logits
+def TinyNet():
+    return TanhNet(DIM, CLASSES)
 
 
 def batch(n, seed=0):
@@ -77,9 +70,7 @@ def run_steps(objective, hp, channels, algorithm="erm", wd=0.0, steps=2, rule_hp
 
 
 
-def ref_tiny(p, x):
-    h = jnp.tanh(x.reshape(len(x), -1) @ p["body"]["kernel"] + p["body"]["bias"])
-    return h, h @ p["classifier"]["kernel"] + p["classifier"]["bias"]
+ref_tiny = tanh_net
 
 
 def ref_conv(x, layer):

@@ -11,7 +11,6 @@ IB_IRM under SAGM; the sweep's draws are DomainBed's ``hparams_registry``'s."""
 import hashlib
 import itertools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,7 +23,7 @@ from sagm_jax.sweep.hparams import random_hparams
 from sagm_jax.training import train
 from sagm_jax.training.train_step import StepMethod, create_train_state, make_train_step
 
-from float64_reference import adam_init, f64, ref_ce, torch_adam
+from float64_reference import TanhNet, adam_init, f64, ref_ce, tanh_net, torch_adam
 from run_fixtures import digits_config
 
 HEIGHT, WIDTH, CHANNELS, DIM, CLASSES = 3, 4, 2, 5, 3
@@ -33,14 +32,8 @@ LR, WD = 0.01, 0.1
 TOL = dict(rtol=2e-4, atol=2e-6)
 
 
-class TinyNet(nn.Module):
-    """features = tanh(flatten(x) @ body + b), logits = features @ classifier + c."""
-
-    @nn.compact
-    def __call__(self, x, train: bool, mixstyle: bool = False, features: bool = False):
-        h = jnp.tanh(nn.Dense(DIM, name="body")(x.reshape(x.shape[0], -1)))
-        logits = nn.Dense(CLASSES, name="classifier")(h)
-        return (h, logits) if features else logits
+def TinyNet():
+    return TanhNet(DIM, CLASSES)
 
 
 def batch(seed):
@@ -68,9 +61,7 @@ def run_steps(objective, hp, steps):
 # ---------------------------------------------------------------- float64 re-statement
 
 
-def ref_forward(p, x):
-    h = jnp.tanh(x.reshape(len(x), -1) @ p["body"]["kernel"] + p["body"]["bias"])
-    return h, h @ p["classifier"]["kernel"] + p["classifier"]["bias"]
+ref_forward = tanh_net
 
 
 def ref_irm_penalty(logits, y):

@@ -10,12 +10,11 @@ its projection head under SAGM; the sweep's draws are DomainBed's ``hparams_regi
 import functools
 import hashlib
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from float64_reference import adam_init, f64, ref_ce, torch_adam
+from float64_reference import TanhNet, adam_init, f64, ref_ce, torch_adam
 from ml_collections import ConfigDict
 from run_fixtures import digits_config
 
@@ -37,14 +36,8 @@ TOL = {"rtol": 2e-4, "atol": 2e-6}
 STEP0_LABELS = np.array([0, 1, 0, 3, 1, 2, 2, 0, 0, 1, 1, 0], np.int32)
 
 
-class TinyNet(nn.Module):
-    """features = tanh(flatten(x) @ body + b), logits = features @ classifier + c."""
-
-    @nn.compact
-    def __call__(self, x, train: bool, mixstyle: bool = False, features: bool = False):
-        h = jnp.tanh(nn.Dense(DIM, name="body")(x.reshape(x.shape[0], -1)))
-        logits = nn.Dense(CLASSES, name="classifier")(h)
-        return (h, logits) if features else logits
+def TinyNet():
+    return TanhNet(DIM, CLASSES)
 
 
 def batch(t):

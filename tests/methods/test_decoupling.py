@@ -8,12 +8,11 @@ network. The random search's draw of ``sd_reg`` is re-stated from DomainBed's
 
 import hashlib
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from float64_reference import adam_init, f64, ref_ce, torch_adam
+from float64_reference import TanhNet, adam_init, f64, ref_ce, torch_adam
 
 from sagm_jax import methods
 from sagm_jax.config import config_problems
@@ -27,14 +26,8 @@ LR, WD = 0.05, 0.01
 TOL = dict(rtol=2e-4, atol=2e-6)
 
 
-class TinyNet(nn.Module):
-    """features = tanh(flatten(x) @ body + b), logits = features @ classifier + c."""
-
-    @nn.compact
-    def __call__(self, x, train: bool, mixstyle: bool = False, features: bool = False):
-        h = jnp.tanh(nn.Dense(DIM, name="body")(x.reshape(x.shape[0], -1)))
-        logits = nn.Dense(CLASSES, name="classifier")(h)
-        return (h, logits) if features else logits
+def TinyNet():
+    return TanhNet(DIM, CLASSES)
 
 
 def batch(seed):

@@ -10,12 +10,11 @@ DomainBed's names."""
 
 import hashlib
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from float64_reference import adam_init, f64, ref_ce, torch_adam
+from float64_reference import TanhNet, adam_init, f64, ref_ce, tanh_net, torch_adam
 from run_fixtures import digits_config
 
 from sagm_jax import methods
@@ -31,14 +30,8 @@ LR = 0.01
 TOL = {"rtol": 2e-4, "atol": 2e-6}
 
 
-class TinyNet(nn.Module):
-    """features = tanh(flatten(x) @ body + b), logits = features @ classifier + c."""
-
-    @nn.compact
-    def __call__(self, x, train: bool, mixstyle: bool = False, features: bool = False):
-        h = jnp.tanh(nn.Dense(DIM, name="body")(x.reshape(x.shape[0], -1)))
-        logits = nn.Dense(CLASSES, name="classifier")(h)
-        return (h, logits) if features else logits
+def TinyNet():
+    return TanhNet(DIM, CLASSES)
 
 
 def batch(n, seed=0):
@@ -73,9 +66,7 @@ def run_steps(hp, algorithm="erm", wd=0.0, steps=3, rule_hp=None):
 # ---------------------------------------------------------------- float64 re-statement
 
 
-def ref_forward(p, x):
-    h = jnp.tanh(x.reshape(len(x), -1) @ p["body"]["kernel"] + p["body"]["bias"])
-    return h, h @ p["classifier"]["kernel"] + p["classifier"]["bias"]
+ref_forward = tanh_net
 
 
 def ref_batch_grad(h, logits, y):

@@ -19,7 +19,7 @@ from sagm_jax.methods import networks
 from sagm_jax.methods.procedures import make_procedure
 from sagm_jax.training.train_step import StepMethod, create_train_state, make_train_step
 
-from float64_reference import adam_init, f64, torch_adam
+from float64_reference import TanhNet, adam_init, f64, torch_adam
 
 HEIGHT, WIDTH, CHANNELS, DIM, CLASSES = 2, 2, 2, 3, 4
 M, B = 3, 2  # domains, rows per domain
@@ -27,14 +27,8 @@ LR, WD = 0.01, 0.1
 TOL = {"rtol": 2e-4, "atol": 2e-6}
 
 
-class TinyNet(nn.Module):
-    """features = tanh(flatten(x) @ body + b), logits = features @ classifier + c."""
-
-    @nn.compact
-    def __call__(self, x, train: bool, mixstyle: bool = False, features: bool = False):
-        h = jnp.tanh(nn.Dense(DIM, name="body")(x.reshape(x.shape[0], -1)))
-        logits = nn.Dense(CLASSES, name="classifier")(h)
-        return (h, logits) if features else logits
+def TinyNet():
+    return TanhNet(DIM, CLASSES)
 
 
 def batch(n, seed=0):

@@ -10,7 +10,6 @@ search's draws against DomainBed's ``hparams_registry`` formulas."""
 
 import hashlib
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,7 +25,7 @@ from sagm_jax.sweep.hparams import random_hparams
 from sagm_jax.training import train
 from sagm_jax.training.train_step import StepMethod, create_train_state, make_train_step
 
-from float64_reference import adam_init, f64, ref_ce, torch_adam
+from float64_reference import TanhNet, adam_init, f64, ref_ce, torch_adam
 from run_fixtures import digits_config
 from test_examples import DIGITS, example_of, parse
 
@@ -137,14 +136,8 @@ def test_bisection_gradient_reaches_only_the_extreme_risks_and_the_bandwidth():
 # ---------------------------------------------------------------- whole train steps
 
 
-class TinyNet(nn.Module):
-    """features = tanh(flatten(x) @ body + b), logits = features @ classifier + c."""
-
-    @nn.compact
-    def __call__(self, x, train: bool, mixstyle: bool = False, features: bool = False):
-        h = jnp.tanh(nn.Dense(DIM, name="body")(x.reshape(x.shape[0], -1)))
-        logits = nn.Dense(CLASSES, name="classifier")(h)
-        return (h, logits) if features else logits
+def TinyNet():
+    return TanhNet(DIM, CLASSES)
 
 
 def batch(t):
