@@ -1,5 +1,6 @@
-"""The tiny training runs the tests make: RotatedDigits with a small CNN, seconds each, and
-a tiny image folder."""
+"""The tiny training runs the tests make: RotatedDigits with a small CNN, seconds each, a
+tiny image folder, and a few jitted train steps of an objective on a tiny network
+(:func:`train_steps`, which the method tests compare with their float64 re-statements)."""
 
 import os
 
@@ -110,3 +111,24 @@ def assert_the_evaluation_reproduces_the_record(workdir, which):
         assert correct / counted == record[f"env{env}_{part}_acc"], (env, part)
     assert unpadded
     return model, variables
+
+
+def train_steps(model, variables, objective, hp, steps, batch, *, num_domains, lr, wd, key,
+                algorithm="erm", rule_hp=None):
+    """``steps`` jitted train steps of ``objective`` (hyperparameters ``hp``) under the
+    update rule ``algorithm``, on ``batch(t)`` at step t, with the step key
+    ``jax.random.key(key)``: the states (the initial one first) and each step's metrics."""
+    import jax
+
+    from sagm_jax.methods.update_rules import rule_optimizer
+    from sagm_jax.training.train_step import StepMethod, create_train_state, make_train_step
+
+    opt = rule_optimizer(algorithm, rule_hp or {}, learning_rate=lr, weight_decay=wd)
+    step = jax.jit(make_train_step(model, opt, algorithm=algorithm,
+                                   method=StepMethod(objective, hp, num_domains)))
+    states, metrics = [create_train_state(variables, opt, {})], []
+    for t in range(steps):
+        state, values = step(states[-1], batch(t), jax.random.key(key))
+        states.append(state)
+        metrics.append(values)
+    return states, metrics

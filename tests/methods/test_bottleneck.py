@@ -15,16 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from float64_reference import TanhNet, adam_init, f64, ref_ce, tanh_net, torch_adam
+from run_fixtures import digits_config, train_steps
 
 from sagm_jax import methods
 from sagm_jax.methods import objectives
-from sagm_jax.methods.update_rules import rule_optimizer
 from sagm_jax.sweep.hparams import random_hparams
 from sagm_jax.training import train
-from sagm_jax.training.train_step import StepMethod, create_train_state, make_train_step
-
-from float64_reference import TanhNet, adam_init, f64, ref_ce, tanh_net, torch_adam
-from run_fixtures import digits_config
 
 HEIGHT, WIDTH, CHANNELS, DIM, CLASSES = 3, 4, 2, 5, 3
 M, B = 2, 5  # domains, rows per domain (odd: IRM's halves of 3 and 2)
@@ -46,15 +43,8 @@ def run_steps(objective, hp, steps):
     net = TinyNet()
     variables = net.init(jax.random.key(0), jnp.zeros((1, HEIGHT, WIDTH, CHANNELS)),
                          train=False)
-    opt = rule_optimizer("erm", {}, learning_rate=LR, weight_decay=WD)
-    step = jax.jit(make_train_step(net, opt, algorithm="erm",
-                                   method=StepMethod(objective, hp, M)))
-    state = create_train_state(variables, opt, {})
-    states, metrics = [state], []
-    for t in range(steps):
-        state, m = step(state, batch(t), jax.random.key(3))
-        states.append(state)
-        metrics.append(m)
+    states, metrics = train_steps(net, variables, objective, hp, steps, batch,
+                                  num_domains=M, lr=LR, wd=WD, key=3)
     return variables, states, metrics
 
 

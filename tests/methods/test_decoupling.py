@@ -13,12 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from float64_reference import TanhNet, adam_init, f64, ref_ce, torch_adam
+from run_fixtures import train_steps
 
 from sagm_jax import methods
 from sagm_jax.config import config_problems
-from sagm_jax.methods.update_rules import rule_optimizer
 from sagm_jax.sweep.hparams import random_hparams
-from sagm_jax.training.train_step import StepMethod, create_train_state, make_train_step
 
 HEIGHT, WIDTH, CHANNELS, DIM, CLASSES = 3, 4, 2, 5, 4
 M, B = 3, 4  # domains, rows per domain
@@ -42,14 +41,8 @@ def run_steps(objective, hp, steps):
     net = TinyNet()
     variables = net.init(jax.random.key(0), jnp.zeros((1, HEIGHT, WIDTH, CHANNELS)),
                          train=False)
-    opt = rule_optimizer("erm", {}, learning_rate=LR, weight_decay=WD)
-    step = jax.jit(make_train_step(net, opt, algorithm="erm",
-                                   method=StepMethod(objective, hp, M)))
-    states, metrics = [create_train_state(variables, opt, {})], []
-    for t in range(steps):
-        state, values = step(states[-1], batch(t), jax.random.key(7))
-        states.append(state)
-        metrics.append(values)
+    states, metrics = train_steps(net, variables, objective, hp, steps, batch,
+                                  num_domains=M, lr=LR, wd=WD, key=7)
     return variables, states, metrics
 
 

@@ -15,14 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from float64_reference import TanhNet, adam_init, f64, ref_ce, tanh_net, torch_adam
-from run_fixtures import digits_config
+from run_fixtures import digits_config, train_steps
 
 from sagm_jax import methods
 from sagm_jax.methods import fishr, networks, objectives
-from sagm_jax.methods.update_rules import rule_optimizer
 from sagm_jax.sweep.hparams import random_hparams
 from sagm_jax.training import train
-from sagm_jax.training.train_step import StepMethod, create_train_state, make_train_step
 
 HEIGHT, WIDTH, CHANNELS, DIM, CLASSES = 3, 4, 2, 5, 4
 M, B = 3, 4  # domains, rows per domain
@@ -51,15 +49,9 @@ def run_steps(hp, algorithm="erm", wd=0.0, steps=3, rule_hp=None):
     shapes = networks.Shapes((HEIGHT, WIDTH, CHANNELS), DIM, CLASSES, M)
     own = methods.objective("fishr").network.init(jax.random.key(1), shapes, hp)
     variables = networks.with_method_variables(dict(variables), own)
-    opt = rule_optimizer(algorithm, rule_hp or {}, learning_rate=LR, weight_decay=wd)
-    step = jax.jit(make_train_step(net, opt, algorithm=algorithm,
-                                   method=StepMethod("fishr", hp, M)))
-    state = create_train_state(variables, opt, {})
-    states, metrics = [state], []
-    for t in range(steps):
-        state, m = step(state, batch(M * B, seed=t), jax.random.key(7))
-        states.append(state)
-        metrics.append(m)
+    states, metrics = train_steps(net, variables, "fishr", hp, steps,
+                                  lambda t: batch(M * B, seed=t), num_domains=M, lr=LR,
+                                  wd=wd, key=7, algorithm=algorithm, rule_hp=rule_hp)
     return variables, states, metrics
 
 
