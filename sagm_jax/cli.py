@@ -339,13 +339,41 @@ def reference_defaults(config: ml_collections.ConfigDict, argv: Sequence[str]) -
             f"objective={objective} trains under algorithm={config.algorithm} (the config "
             "file's); its reference steps with plain Adam: --config.algorithm=erm."
         )
+    if dataset not in DATASETS:
+        return lines
+    lines += _dataset_defaults(config, given)
     size = FIXED_IMAGE_BATCH.get(objective)
-    if (size is None or dataset not in DATASETS or is_mnist_like(dataset)
+    if (size is None or is_mnist_like(dataset)
             or "batch_per_env" in given or config.batch_per_env == size):
         return lines
     config.batch_per_env = size
     return lines + [f"objective={objective}: batch_per_env={size}, DomainBed's batch for it "
                     f"on {dataset} (--config.batch_per_env=N sets another)."]
+
+
+# Keys a method's per-dataset defaults leave to the config file on a single run: its
+# learning rate and decay are the paper's per-dataset values (the sweep draws DomainBed's).
+KEEP_CONFIG_KEYS = ("lr", "weight_decay")
+
+
+def _dataset_defaults(config: ml_collections.ConfigDict, given: Sequence[str]) -> list[str]:
+    """Sets the method's own per-dataset defaults (``Method.by_dataset``, e.g. RDM's
+    rdm_lambda on PACS, its batch of 88) that the command line leaves; one line naming
+    them, or none."""
+    from sagm_jax.sweep.hparams import dataset_hparams
+
+    changed = dataset_hparams(config.algorithm, config.dataset, config.objective)
+    set_here = []
+    for key, (default, _) in changed.items():
+        if key in given or key in KEEP_CONFIG_KEYS or config.get(key) == default:
+            continue
+        setattr(config, key, default)
+        set_here.append(f"{key}={default}")
+    if not set_here:
+        return []
+    method = config.objective if config.objective != "erm" else config.algorithm
+    return [f"{method} on {config.dataset}: {', '.join(set_here)}, DomainBed's defaults for "
+            "it there (--config.KEY=VALUE sets another)."]
 
 
 def _given_keys(argv: Sequence[str]) -> list[str]:

@@ -622,3 +622,36 @@ def test_an_objective_named_alone_is_told_it_trains_under_the_configs_rule(argv,
     assert bool(lines) == says, lines
     if says:
         assert "algorithm=sagm" in lines[0] and "--config.algorithm=erm" in lines[0]
+
+
+def test_a_methods_per_dataset_defaults_set_a_single_run_and_the_search(monkeypatch):
+    """``Method.by_dataset``: DomainBed's defaults that depend on the dataset reach a single
+    run (the method's own keys and its batch, not the config file's lr) and the sweep's
+    setting 0 and draws (lr too)."""
+    from sagm_jax import methods
+    from sagm_jax.config import resnet50_config
+    from sagm_jax.methods.registry import choice, fixed
+    from sagm_jax.sweep import hparams
+
+    entry = methods.OBJECTIVES["sd"]
+
+    def by_dataset(dataset, mnist_like):
+        return {} if mnist_like else {"sd_reg": (0.5, fixed(0.5)), "batch_per_env": (88, fixed(88)),
+                                      "lr": (2e-5, choice((2e-5, 3e-5)))}
+
+    monkeypatch.setitem(methods.OBJECTIVES, "sd", entry._replace(
+        method=entry.method._replace(by_dataset=by_dataset)))
+    config = resnet50_config("PACS")
+    config.objective, lr = "sd", config.lr
+    lines = cli.reference_defaults(config, ["main", "--config.objective=sd",
+                                            "--config.algorithm=erm"])
+    assert (config.sd_reg, config.batch_per_env, config.lr) == (0.5, 88, lr)
+    assert any("sd_reg=0.5, batch_per_env=88" in line for line in lines), lines
+    config = resnet50_config("PACS")
+    config.objective = "sd"
+    cli.reference_defaults(config, ["main", "--config.objective=sd", "--config.sd_reg=0.2"])
+    assert config.sd_reg != 0.5 and config.batch_per_env == 88
+    assert hparams.random_hparams("erm", "PACS", 0, 0, "sd")["sd_reg"] == 0.5
+    drawn = [hparams.random_hparams("erm", "PACS", seed, 0, "sd") for seed in (1, 2, 3, 4)]
+    assert {d["batch_per_env"] for d in drawn} == {88} and {d["lr"] for d in drawn} <= {2e-5, 3e-5}
+    assert hparams.random_hparams("erm", "RotatedDigits", 0, 0, "sd")["sd_reg"] == entry.method.hyperparameters[0].default

@@ -176,6 +176,11 @@ class Method(NamedTuple):
     # Published test-domain accuracy (PACS, VLCS, OfficeHome, TerraInc, DomainNet, avg) and
     # where it is printed (the last element); () where none is.
     published: tuple = ()
+    # ``by_dataset(dataset, mnist_like) -> {config key: (default, Distribution)}``: the
+    # defaults and draws DomainBed's ``hparams_registry`` gives this method on ``dataset``
+    # where they differ from the registry's (RDM's rdm_lambda, ADRMX's lr; shared keys
+    # such as ``lr`` and ``batch_per_env`` included); None where none differs.
+    by_dataset: Callable[[str, bool], dict] | None = None
 
 
 class Objective(NamedTuple):

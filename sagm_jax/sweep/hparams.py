@@ -147,7 +147,24 @@ def searched_hparams(
         own = [h._replace(default=MNIST_METHOD_HPARAMS[h.key][0],
                           distribution=MNIST_METHOD_HPARAMS[h.key][1])
                if h.key in MNIST_METHOD_HPARAMS else h for h in own]
-    return shared_hparams(dataset, objective) + tuple(h for h in own if h.distribution is not None)
+    changed = dataset_hparams(algorithm, dataset, objective)
+    return tuple(
+        h._replace(default=changed[h.key][0], distribution=changed[h.key][1])
+        if h.key in changed else h
+        for h in shared_hparams(dataset, objective) + tuple(own)
+        if h.distribution is not None or h.key in changed
+    )
+
+
+def dataset_hparams(algorithm: str, dataset: str, objective: str = "erm") -> dict:
+    """``{config key: (default, Distribution)}`` that the objective's and the update
+    rule's registry entries give on ``dataset`` (``Method.by_dataset``: DomainBed's
+    per-dataset defaults and draws, RDM's and ADRMX's), the update rule's last."""
+    changed = {}
+    for entry in (methods.OBJECTIVES[objective], methods.UPDATE_RULES[algorithm]):
+        if entry.method.by_dataset is not None:
+            changed.update(entry.method.by_dataset(dataset, is_mnist_like(dataset)))
+    return changed
 
 
 def random_hparams(
