@@ -41,6 +41,8 @@ M, N_META_TEST = 5, 2  # RotatedDigits with test_envs (0,): 5 training domains; 
 PASSES = {
     "erm": 1, "mixup": 1, "cutmix": 1, "org_mixup": 1, "coral": 1, "mmd": 1,
     "groupdro": 1, "irm": 1, "vrex": 1, "rsc": 1, "selfreg": 1, "mtl": 1,
+    "sd": 1, "causirl_coral": 1, "causirl_mmd": 1, "ib_erm": 1, "ib_irm": 1, "eqrm": 1,
+    "cad": 1, "condcad": 1,
     # Fishr: the per-example gradients and their backward are of the linear head only.
     "fishr": 1,
     # ARM: the context network's forward (5x5 convolutions 1-64-64-1 at 28x28: 82.8M

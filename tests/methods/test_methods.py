@@ -161,3 +161,16 @@ def test_mixstyles_probability_and_beta_reach_the_network(monkeypatch):
         lambda key, x: network.init(key, x, train=False), jax.random.key(0), jax.numpy.ones((2, 32, 32, 3))
     )
     assert layers == [(1.0, 0.3), (1.0, 0.3)]
+
+
+def test_the_methods_benchmark_knows_every_registered_methods_passes():
+    """experiments/bench_methods.py divides each step's time by its predicted passes:
+    a registered method without an entry there would stop the benchmark at its row."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "bench_methods.py")
+    spec = importlib.util.spec_from_file_location("bench_methods", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    names = {bench.method_name(*pair) for pair in bench.methods()}
+    assert names - set(bench.PASSES) == set()
