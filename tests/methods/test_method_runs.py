@@ -105,6 +105,9 @@ def _stop_before(step_to_stop, monkeypatch):
         dict(objective="groupdro", algorithm="sagm", disam_lambda=0.5),
         dict(objective="irm", algorithm="erm", irm_penalty_anneal_iters=3),
         dict(algorithm="dann"),
+        # Fishr's moving average of the domains' gradient variances (in the method's
+        # batch_stats) under SAGM, its anneal switch and Adam restart after the resume.
+        dict(objective="fishr", algorithm="sagm", fishr_penalty_anneal_iters=3),
         # SAGM + MIRO with SWAD: its encoders, its frozen oracle (in batch_stats), SWAD's
         # weight averages and the loss valley's state resume too (tolerance 100: the
         # valley lives on to the end, whose average is recorded).
