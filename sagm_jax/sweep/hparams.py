@@ -82,6 +82,15 @@ DOMAINBED_NAMES = {
     "fishr_lambda": "lambda",
     "fishr_penalty_anneal_iters": "penalty_anneal_iters",
     "fishr_ema": "ema",
+    "sand_mask_tau": "tau",
+    "sand_mask_k": "k",
+    "transfer_t_lambda": "t_lambda",
+    "transfer_delta": "delta",
+    "transfer_d_steps_per_g": "d_steps_per_g",
+    "transfer_weight_decay_d": "weight_decay_d",
+    "transfer_gda": "gda",
+    "transfer_beta1": "beta1",
+    "transfer_lr_d": "lr_d",
 }
 # DomainBed's other defaults and draws on its SMALL_IMAGES (DANN's and CDANN's).
 MNIST_METHOD_HPARAMS = {
