@@ -100,7 +100,10 @@ class Step(NamedTuple):
     its random draws, ``advance`` (see :func:`objective_loss`) and ``params``, the
     parameters this pass evaluates (the method's own under ``params["method"]``,
     ``sagm_jax.methods.networks``). ``forward(images, intermediates=True)`` also fills
-    ``Outputs.intermediates`` (MIRO)."""
+    ``Outputs.intermediates`` (MIRO). ``forward_at(params) -> forward`` is the same pass
+    (the same dropout and MixStyle draws) at other parameters, for a loss that
+    differentiates the network itself (IGA's per-domain gradients); call it instead of
+    ``forward``, once; None where the caller gives none."""
 
     hp: dict
     forward: Callable[[jax.Array], Outputs]
@@ -112,6 +115,7 @@ class Step(NamedTuple):
     key: jax.Array
     advance: bool
     params: Any = None
+    forward_at: Callable[[Any], Callable[[jax.Array], Outputs]] | None = None
 
 
 def init_state(name: str, num_domains: int) -> dict:
@@ -138,7 +142,7 @@ def reset_optimizer_step(name: str, hp: dict) -> int | tuple | None:
 
 def objective_loss(
     name: str, hp: dict, forward, images, labels, *, num_domains: int, state: dict,
-    step, key, advance: bool, params=None,
+    step, key, advance: bool, params=None, forward_at=None,
 ) -> tuple[jax.Array, Aux]:
     """The loss of ``objective`` on one step's batch, and its ``Aux``.
 
@@ -149,7 +153,8 @@ def objective_loss(
     draws (Mixup, CutMix). ``advance`` is True for the clean pass, whose state (GroupDRO's
     q) advances once per step; False for a second evaluation of the same step's loss,
     which uses ``state`` (already advanced) as given. ``params`` are the parameters
-    ``forward`` evaluates at, for objectives that train modules of their own.
+    ``forward`` evaluates at, for objectives that train modules of their own;
+    ``forward_at(params)`` the pass at other parameters (``Step.forward_at``).
     """
     entry = objective(name)
     if images.shape[0] % num_domains:
@@ -158,7 +163,8 @@ def objective_loss(
         )
     hp = settings(entry.method, hp)
     return entry.loss(
-        Step(hp, forward, images, labels, num_domains, state, step, key, advance, params)
+        Step(hp, forward, images, labels, num_domains, state, step, key, advance, params,
+             forward_at)
     )
 
 

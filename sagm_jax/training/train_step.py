@@ -236,6 +236,7 @@ def make_train_step(
                 forward_at(params, dropout_key, mixstyle), batch["image"], batch["label"],
                 num_domains=method.num_domains, state=objective_state, step=state.step,
                 key=objective_key, advance=advance, params=params,
+                forward_at=lambda other: forward_at(other, dropout_key, mixstyle),
             )
 
         opt_state = _restarted(optimizer, state, reset_step)
