@@ -83,6 +83,7 @@ DOMAINBED_NAMES = {
     "fishr_penalty_anneal_iters": "penalty_anneal_iters",
     "fishr_ema": "ema",
     "iga_penalty": "penalty",
+    "rdm_variance_weight": "variance_weight",
     "sand_mask_tau": "tau",
     "sand_mask_k": "k",
     "transfer_t_lambda": "t_lambda",
