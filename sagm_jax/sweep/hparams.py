@@ -85,6 +85,7 @@ DOMAINBED_NAMES = {
     "trm_cos_lambda": "cos_lambda",
     "trm_iters": "iters",
     "iga_penalty": "penalty",
+    "rdm_variance_weight": "variance_weight",
     "sand_mask_tau": "tau",
     "sand_mask_k": "k",
     "transfer_t_lambda": "t_lambda",
