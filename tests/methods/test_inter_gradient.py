@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from float64_reference import TanhNet, adam_init, f64, ref_ce, tanh_net, torch_adam
 from run_fixtures import digits_config, train_steps
 
@@ -81,18 +82,22 @@ def ref_update(p, x, y, lam):
     return mean_loss + lam * penalty, {"loss": mean_loss, "penalty": penalty}
 
 
-def ours(p, x, y, lam):
-    """The package's IGA loss on the tiny network (float32), as the train step calls it."""
+def ours(p, x, y, lam, calls=None, dtype=jnp.float32, num_domains=M):
+    """The package's IGA loss on the tiny network, as the train step calls it: the pass
+    at ``q`` in ``dtype`` (each call recorded in ``calls``)."""
     net = TinyNet()
 
     def forward_at(q):
         def forward(images):
-            h, logits = net.apply({"params": q}, images, False, features=True)
-            return objectives.Outputs(h, logits, {})
+            if calls is not None:
+                calls.append(images.shape)
+            h, logits = net.apply({"params": jax.tree.map(lambda a: a.astype(dtype), q)},
+                                  images.astype(dtype), False, features=True)
+            return objectives.Outputs(h, logits, {"stats": 1})
         return forward
 
     return objectives.objective_loss(
-        "iga", {"iga_penalty": lam}, forward_at(p), x, y, num_domains=M, state={},
+        "iga", {"iga_penalty": lam}, forward_at(p), x, y, num_domains=num_domains, state={},
         step=jnp.int32(0), key=None, advance=True, params=p, forward_at=forward_at)
 
 
@@ -155,6 +160,38 @@ def test_three_steps_match_domainbeds_update(algorithm):
                                  strict=True):
                 np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL,
                                            err_msg=f"step {t}")
+
+
+def test_one_forward_float32_and_eight_devices_agree():
+    """One call of the pass for the loss and all M gradients; bfloat16 passes give float32
+    loss, metrics and domain losses. With 24 rows sharded over 8 devices (domain
+    boundaries inside shards) loss and gradient are the one-device ones: each g_m is of
+    the whole domain."""
+    _, variables = init()
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(M * 8, HEIGHT, WIDTH, CHANNELS)).astype(np.float32)
+    y = rng.integers(0, CLASSES, M * 8).astype(np.int32)
+    calls = []
+    loss, aux = jax.eval_shape(lambda p: ours(p, x, y, 1.0, calls, jnp.bfloat16),
+                               variables["params"])
+    assert calls == [x.shape] and set(aux.batch_stats) == {"stats"}
+    assert loss.dtype == jnp.float32 and aux.domain_losses.shape == (M,)
+    assert {k: v.dtype for k, v in aux.metrics.items()} == {"loss": jnp.float32,
+                                                            "penalty": jnp.float32}
+    results = []
+    for devices in (jax.devices()[:1], jax.devices()[:8]):
+        mesh = Mesh(np.array(devices), ("batch",))
+        rows, same = NamedSharding(mesh, P("batch")), NamedSharding(mesh, P())
+        args = (jax.device_put(variables["params"], same), jax.device_put(x, rows),
+                jax.device_put(y, rows))
+        results.append(jax.jit(jax.value_and_grad(
+            lambda p, a, b: ours(p, a, b, 10.0)[0]))(*args))
+    assert len(jax.devices()) == 8
+    (one, grad_one), (eight, grad_eight) = results
+    np.testing.assert_allclose(float(eight), float(one), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(grad_eight), jax.tree.leaves(grad_one), strict=True):
+        scale = float(np.abs(np.asarray(b)).max())
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * scale)
 
 
 def test_iga_needs_the_pass_at_other_parameters():

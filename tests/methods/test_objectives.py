@@ -48,7 +48,10 @@ def make_batch(num_domains, per_domain, seed=0):
 # classifier from Step.params (tests/methods/test_adaptive.py checks it).
 # Fishr differentiates the network's classifier (Step.params) and keeps its EMA in the
 # method's batch_stats (tests/methods/test_fishr.py checks it).
-NETWORK_ALONE = [name for name in methods.OBJECTIVES if name not in ("mtl", "miro", "fishr")]
+# IGA differentiates the network's pass at other parameters (Step.forward_at;
+# tests/methods/test_inter_gradient.py checks it, on 1 and 8 devices too).
+NETWORK_ALONE = [name for name in methods.OBJECTIVES
+                 if name not in ("mtl", "miro", "fishr", "iga")]
 
 
 def make_forward(params, calls=None, dtype=jnp.float32):
@@ -171,7 +174,8 @@ def test_one_forward_float32_losses_and_metrics(objective):
                 "ib_erm": {"loss", "nll", "IB_penalty"},
                 "ib_irm": {"loss", "nll", "IRM_penalty", "IB_penalty"},
                 "cad": {"loss", "clf_loss", "bn_loss"},
-                "condcad": {"loss", "clf_loss", "bn_loss"}}
+                "condcad": {"loss", "clf_loss", "bn_loss"},
+                "rdm": {"loss", "erm_loss", "matching_penalty", "variance_penalty"}}
     assert set(aux.metrics) == expected.get(objective, {"loss"})
     assert all(v.dtype == jnp.float32 and v.shape == () for v in aux.metrics.values())
 
