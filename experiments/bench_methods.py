@@ -59,6 +59,7 @@ PASSES = {
     # meta-train passes at theta, one per domain, then the meta-test ones at theta'),
     # both encoders forward, zs backward. The authors' code passes it D times.
     "mdsdi": 2 + 2 * (1 + F),
+    "urm": 1,  # one forward-backward; the discriminator (an MLP on the features) aside
 }
 
 

@@ -28,6 +28,10 @@ a :class:`MethodNetwork` in its registry entry (``Objective.network``):
 * ``uses_key``: ``predict`` also takes ``key=``, the PRNG key of an evaluation batch's
   draws (MTL's noise; the evaluator folds one per batch, ``evaluation.batch_key``; None
   when the caller gives none); ``MethodModel.apply(..., key=...)`` passes it on.
+* ``uses_classifier``: ``predict`` also takes ``classify=``, ``features -> logits`` with
+  the network's own classifier at the pass's variables (:func:`classify`), for a
+  prediction that changes the features before the network's head (URM's output
+  activation).
 * ``eval_batch_size``: the evaluation batch of the reference, for a prediction that
   depends on the evaluated batch (ARM, MTL: DomainBed's ``misc.accuracy`` runs its
   loaders' batches of 64); the evaluator, ``load_run``'s example and the sharpness
@@ -87,6 +91,8 @@ class MethodNetwork(NamedTuple):
     # ``learning_rate_multiplier(hp) -> k``: the method's own parameters train at ``k * lr``
     # in the run's Adam (MIRO's encoders; ``update_rules.rule_optimizer``); None for k = 1.
     learning_rate_multiplier: Callable[[dict], float] | None = None
+    # ``predict`` also takes ``classify=`` (the module docstring): URM's output activation.
+    uses_classifier: bool = False
 
 
 def split_params(params: dict) -> tuple[dict, dict]:
@@ -161,6 +167,8 @@ class MethodModel:
 
         extra = {"mask": mask} if self.network.uses_mask else {}
         extra.update({"key": key} if self.network.uses_key else {})
+        if self.network.uses_classifier:
+            extra["classify"] = lambda f: classify(base_variables["params"], f, f.dtype)
         (feats, logits), own_stats = self.network.predict(base, own, images, train, self.hp,
                                                           **extra)
         out = (feats, logits) if features else logits

@@ -147,7 +147,8 @@ def fixed(value) -> Distribution:
 
 
 def choice(values: tuple) -> Distribution:
-    text = "{" + ", ".join(f"{v:g}" for v in values) + "}"
+    """One of ``values`` (numbers or names, URM's activations), equally likely."""
+    text = "{" + ", ".join(_text(v) for v in values) + "}"
     return Distribution(text, lambda rng: values[rng.choice(len(values))])
 
 

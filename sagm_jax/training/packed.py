@@ -77,8 +77,10 @@ from sagm_jax.training.train_step import run_train_step
 # ``seed`` (the device augmentation's keys).
 RUN_KEYS = ("seed", "trial_seed", "hparams_seed", "test_envs")
 # Numeric hyperparameters that shape the program (array shapes, Python branches):
-# DISAM's weight (0 is no DISAM), the discriminator's width and depth, MLDG's split.
-PROGRAM_HYPERPARAMETERS = ("disam_lambda", "mlp_width", "mlp_depth", "mldg_n_meta_test")
+# DISAM's weight (0 is no DISAM), the discriminator's width and depth, MLDG's split,
+# URM's discriminator depth.
+PROGRAM_HYPERPARAMETERS = ("disam_lambda", "mlp_width", "mlp_depth", "mldg_n_meta_test",
+                           "urm_discriminator_hidden_layers")
 RUNS = "runs"  # the mesh axis of the run axis
 
 

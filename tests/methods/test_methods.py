@@ -114,7 +114,7 @@ def test_domainbed_distributions_draw_inside_their_stated_ranges():
                 low, high = (float(v) for v in bounds.split(","))
                 assert low <= value <= high, (hp.key, value)
             else:  # a choice or fixed value; a boolean as Python writes it
-                shown = str(value) if isinstance(value, bool) else f"{value:g}"
+                shown = str(value) if isinstance(value, (bool, str)) else f"{value:g}"
                 assert shown in text, (hp.key, value)
 
 
