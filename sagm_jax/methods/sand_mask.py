@@ -18,7 +18,7 @@ NaN positions, below). DomainBed's search draws ``tau ~ U(0, 1)``; set
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp

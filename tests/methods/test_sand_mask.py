@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from run_fixtures import digits_config
+
 from sagm_jax import methods
 from sagm_jax.methods import procedures, sand_mask
 from sagm_jax.sweep.hparams import random_hparams
@@ -21,7 +21,7 @@ from sagm_jax.training import train
 
 D, C, ROWS, M = 3, 2, 4, 3
 LR, WD = 0.05, 0.3
-TOL = dict(rtol=2e-4, atol=2e-6)
+TOL = {"rtol": 2e-4, "atol": 2e-6}
 
 
 def np_loss_grad(params, x, y):
