@@ -50,7 +50,7 @@ PASSES = {
     "arm": 1 + 82.8 / (3 * 4.63),
     "miro": 1 + F,  # the frozen oracle's forward
     "sam": 2, "gsam": 2, "sagm": 2, "erm_sam": 2,
-    "fish": 1, "and_mask": 1,
+    "fish": 1, "and_mask": 1, "sand_mask": 1,
     "mldg": 2 * (M - N_META_TEST) / M,  # M - n pairs of two one-domain passes
     "dann": 1,  # the featurizer's forward-backward every step, as DomainBed's
     "cdann": 1,
@@ -60,6 +60,10 @@ PASSES = {
     # both encoders forward, zs backward. The authors' code passes it D times.
     "mdsdi": 2 + 2 * (1 + F),
     "urm": 1,  # one forward-backward; the discriminator (an MLP on the features) aside
+    # Transfer: the whole batch's forward-backward, the gap step's (one pass per domain),
+    # and d_steps_per_g = 10 forward passes for the head's inner steps (equal without
+    # dropout, so XLA may compute them once).
+    "transfer": 2 + 10 * F,
 }
 
 
