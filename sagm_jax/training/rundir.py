@@ -66,10 +66,11 @@ def mixstyle_suffix(config_dict) -> str:
     return MIXSTYLE2 if config_dict.get("mixstyle_mix") == "crossdomain" else MIXSTYLE
 
 # The methods that DomainBed's ``domainbed/algorithms.py`` names otherwise than
-# ``methods.method_label``: its class names (``ALGORITHMS``) ``Mixup`` and ``ANDMask``.
-# The other labels of a single method are already DomainBed's names (``ERM``, ``CORAL``,
-# ``MMD``, ``GroupDRO``, ``IRM``, ``VREx``, ``Fish``, ``MLDG``).
-DOMAINBED_ALGORITHMS = {"ERM + Mixup": "Mixup", "AND-mask": "ANDMask"}
+# ``methods.method_label``: its class names (``ALGORITHMS``) ``Mixup``, ``ANDMask`` and
+# ``SANDMask``. The other labels of a single method are already DomainBed's names
+# (``ERM``, ``CORAL``, ``MMD``, ``GroupDRO``, ``IRM``, ``VREx``, ``Fish``, ``MLDG``,
+# ``Transfer``).
+DOMAINBED_ALGORITHMS = {"ERM + Mixup": "Mixup", "AND-mask": "ANDMask", "SAND-mask": "SANDMask"}
 
 # Config keys that differ between the runs of one hyperparameter setting.
 NOT_HPARAMS = ("test_envs", "all_test_envs", "trial_seed", "seed", "hparams_seed")

@@ -172,3 +172,11 @@ def test_sweep_draws_sand_masks_hyperparameters_under_domainbeds_names(hparams_s
         want = {"sand_mask_tau": draw("tau").uniform(0.0, 1.0),
                 "sand_mask_k": 10 ** draw("k").uniform(-3, 5)}
     assert {key: got[key] for key in want} == want
+
+
+def test_records_name_the_algorithm_as_domainbed_does():
+    """DomainBed's ``collect_results`` reads ``args.algorithm``: its class names."""
+    from sagm_jax.training import rundir
+
+    assert rundir.record_algorithm({"algorithm": "sand_mask", "objective": "erm"}) == "SANDMask"
+    assert rundir.record_algorithm({"algorithm": "transfer", "objective": "erm"}) == "Transfer"
