@@ -64,6 +64,10 @@ PASSES = {
     # and d_steps_per_g = 10 forward passes for the head's inner steps (equal without
     # dropout, so XLA may compute them once).
     "transfer": 2 + 10 * F,
+    "rdm": 1,
+    # IGA: the forward and M vector-Jacobian products (a backward each, over the whole
+    # batch), 1/3 + 2M/3, and the step's gradient of all of it, twice that again.
+    "iga": 1 + 2 * M,
 }
 
 
