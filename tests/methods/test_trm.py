@@ -40,7 +40,7 @@ def batch(n, seed=0):
 
 
 def trm_hp(**overrides):
-    hp = {"trm_cos_lambda": 0.5, "trm_iters": 1, "groupdro_eta": 0.3,
+    hp = {"trm_cos_lambda": 2.0, "trm_iters": 1, "groupdro_eta": 0.3,
           "trm_class_balanced": False, "trm_fix_neumann": False}
     return {**hp, **overrides}
 
