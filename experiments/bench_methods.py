@@ -68,6 +68,7 @@ PASSES = {
     # IGA: the forward and M vector-Jacobian products (a backward each, over the whole
     # batch), 1/3 + 2M/3, and the step's gradient of all of it, twice that again.
     "iga": 1 + 2 * M,
+    "trm": 1,  # one forward-backward; the heads' SGD and Neumann terms are linear maps
 }
 
 

@@ -317,3 +317,10 @@ def test_trm_trains_on_rotated_digits(tmp_path):
     assert [r["step"] for r in records] == [0, 1]
     assert all(np.isfinite(r[k]) for r in records for k in ("loss", "nll", "trm_loss"))
     assert records[0]["trm_loss"] == 0.0 and records[1]["trm_loss"] != 0.0
+
+
+def test_records_name_the_algorithm_as_domainbed_does():
+    """DomainBed's ``collect_results`` reads ``args.algorithm``: its class name ``TRM``."""
+    from sagm_jax.training import rundir
+
+    assert rundir.record_algorithm({"algorithm": "trm", "objective": "erm"}) == "TRM"
