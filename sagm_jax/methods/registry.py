@@ -99,10 +99,11 @@ class OneOf:
     """The check of a field that names one of ``names`` (a registry's, where one exists)."""
 
     names: Sequence[str]
+    note: str = ""  # follows the names in the message (why a name is left out)
 
     def __call__(self, value, config, device_count):
         if not isinstance(value, str) or value not in self.names:
-            return f"one of {', '.join(self.names)}"
+            return f"one of {', '.join(self.names)}{self.note}"
 
 
 def bounds(bounds: str, note: str = "") -> ValueCheck:
@@ -114,7 +115,7 @@ def bounds(bounds: str, note: str = "") -> ValueCheck:
     if bounds.startswith("int >= "):
         return integer(int(bounds.split()[-1]), note)
     if bounds.startswith("one of "):
-        return OneOf(tuple(bounds[len("one of ") :].split(", ")))
+        return OneOf(tuple(bounds[len("one of ") :].split(", ")), note)
     return number(bounds, note)
 
 

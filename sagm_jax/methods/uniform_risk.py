@@ -239,9 +239,10 @@ URM_HYPERPARAMETERS = (
     Hyperparameter("urm_discriminator_hidden_layers", 1, "URM: the discriminator's "
                    "100-wide hidden layers after its first", "int >= 0", choice((1, 2, 3))),
     Hyperparameter("urm_generator_output", "tanh", "URM: the featurizer's output "
-                   "activation, which sets the noise's range (identity has none: the "
-                   "reference raises)", f"one of {', '.join(ACTIVATIONS)}",
-                   choice(("tanh", "relu"))),
+                   "activation, which sets the noise's range", f"one of {', '.join(ACTIVATIONS)}",
+                   choice(("tanh", "relu")),
+                   " (identity: the uniform noise URM matches has no range for unbounded "
+                   "features; DomainBed's URM raises at its first step)"),
     Hyperparameter("urm_discriminator_lr", 5e-5, "URM: the discriminator's learning "
                    "rate (MNIST-like datasets: 1e-3)", "> 0", log_uniform(-6, -4.5)),
 )

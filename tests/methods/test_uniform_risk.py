@@ -280,9 +280,12 @@ def test_registry_entry_and_identity_refused():
     }
     assert methods.combination_problem("coral", "urm", 0.0)
     from sagm_jax.config import checks
-    bounds = dict((k, v[1]) for k, v in got.items())
-    check = checks.bounds(bounds["urm_generator_output"])
-    assert check("identity", None, None) == "one of tanh, relu, sigmoid"
+
+    output = next(h for h in rule.method.hyperparameters if h.key == "urm_generator_output")
+    check = checks.bounds(output.bounds, output.note)  # the config's check of the field
+    assert check("identity", None, None) == (
+        "one of tanh, relu, sigmoid (identity: the uniform noise URM matches has no range "
+        "for unbounded features; DomainBed's URM raises at its first step)")
     assert check("relu", None, None) is None
 
 
