@@ -279,6 +279,9 @@ def test_registry_entry_and_identity_refused():
         "urm_discriminator_lr": (5e-5, "> 0", "10^U(-6,-4.5)"),
     }
     assert methods.combination_problem("coral", "urm", 0.0)
+    from sagm_jax.training import rundir  # DomainBed's collect_results reads its class name
+
+    assert rundir.record_algorithm({"algorithm": "urm", "objective": "erm"}) == "URM"
     from sagm_jax.config import checks
 
     output = next(h for h in rule.method.hyperparameters if h.key == "urm_generator_output")
