@@ -38,5 +38,5 @@ from sagm_jax.methods.registry import (  # noqa: F401
 from sagm_jax.methods import (  # noqa: F401,E402  (each registers its entries)
     objectives, procedures, update_rules, representation, adaptive, adversarial, style, miro,
     mdsdi, decoupling, causal, bottleneck, contrastive, fishr, quantile, sand_mask, transfer,
-    inter_gradient, risk_distribution, uniform_risk, trm,
+    inter_gradient, risk_distribution, uniform_risk, trm, adrmx,
 )

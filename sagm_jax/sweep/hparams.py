@@ -86,6 +86,8 @@ DOMAINBED_NAMES = {
     "trm_iters": "iters",
     "iga_penalty": "penalty",
     "rdm_variance_weight": "variance_weight",
+    "adrmx_d_steps_per_g_step": "d_steps_per_g_step",
+    "adrmx_mlp_depth": "mlp_depth",
     "sand_mask_tau": "tau",
     "sand_mask_k": "k",
     "transfer_t_lambda": "t_lambda",

@@ -78,9 +78,11 @@ from sagm_jax.training.train_step import run_train_step
 RUN_KEYS = ("seed", "trial_seed", "hparams_seed", "test_envs")
 # Numeric hyperparameters that shape the program (array shapes, Python branches):
 # DISAM's weight (0 is no DISAM), the discriminator's width and depth, MLDG's split,
-# URM's discriminator depth, Transfer's inner steps (its passes).
+# URM's discriminator depth, ADRMX's discriminator depth, Transfer's inner steps (its
+# passes).
 PROGRAM_HYPERPARAMETERS = ("disam_lambda", "mlp_width", "mlp_depth", "mldg_n_meta_test",
-                           "urm_discriminator_hidden_layers", "transfer_d_steps_per_g")
+                           "urm_discriminator_hidden_layers", "adrmx_mlp_depth",
+                           "transfer_d_steps_per_g")
 RUNS = "runs"  # the mesh axis of the run axis
 
 
