@@ -275,3 +275,14 @@ def test_sweep_draws_transfers_hyperparameters_under_domainbeds_names(hparams_se
                 "transfer_lr_d": 10 ** draw("lr_d").uniform(-4.5, -2.5)}
     assert {key: got[key] for key in want} == want
     assert "transfer_fix_optimizers" not in got  # no DomainBed draw: the config's value
+
+
+def test_a_pack_keeps_the_inner_steps_and_traces_the_rest():
+    """``transfer_d_steps_per_g`` sets the number of passes (a Python loop), so runs that
+    differ in it are separate programs; the other numbers may differ within a pack."""
+    from sagm_jax.training import packed
+
+    base = {"algorithm": "transfer", "transfer_t_lambda": 1.0, "transfer_d_steps_per_g": 1}
+    problems = packed.program_problems([base, {**base, "transfer_d_steps_per_g": 2}])
+    assert len(problems) == 1 and "transfer_d_steps_per_g" in problems[0]
+    assert packed.program_problems([base, {**base, "transfer_t_lambda": 0.1}]) == []
