@@ -69,6 +69,7 @@ PASSES = {
     # batch), 1/3 + 2M/3, and the step's gradient of all of it, twice that again.
     "iga": 1 + 2 * M,
     "trm": 1,  # one forward-backward; the heads' SGD and Neumann terms are linear maps
+    "adrmx": 2,  # both featurizers' forward-backward every step; the heads and MLP aside
 }
 
 
