@@ -17,19 +17,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from float64_reference import adam_init, f64, ref_ce, torch_adam
 
 from sagm_jax import methods
 from sagm_jax.methods import networks, procedures
 from sagm_jax.training.train_step import StepMethod, create_train_state, make_train_step
-
-from float64_reference import adam_init, f64, ref_ce, torch_adam
 
 HEIGHT, WIDTH, DIM, CLASSES = 2, 3, 5, 4
 M, B = 3, 4  # domains, rows per domain
 N = M * B
 LR, WD = 0.01, 0.1
 KEY = 5
-TOL = dict(rtol=2e-4, atol=2e-6)
+TOL = {"rtol": 2e-4, "atol": 2e-6}
 HP = {"urm_adv_lambda": 0.7, "urm_discriminator_label_smoothing": 0.0,
       "urm_discriminator_optimizer": "adam", "urm_discriminator_hidden_layers": 1,
       "urm_generator_output": "tanh", "urm_discriminator_lr": 0.02}
@@ -336,6 +335,7 @@ def test_urm_trains_on_rotated_digits_and_its_record_is_its_prediction(tmp_path)
     """3 steps of URM on RotatedDigits: ``load_run`` gives the method's model (the output
     activation before the classifier), whose evaluation reproduces the record."""
     from run_fixtures import assert_the_evaluation_reproduces_the_record, digits_config
+
     from sagm_jax.training import train
 
     config = digits_config(steps=3, algorithm="urm", urm_generator_output="relu")
