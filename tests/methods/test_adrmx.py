@@ -78,8 +78,8 @@ def distinct_copy(variables):
     own = dict(variables["params"]["method"])
     body = own["featurizer_domain"]["body"]
     noise = np.random.default_rng(9).normal(scale=0.3, size=body["kernel"].shape)
-    own["featurizer_domain"] = {**own["featurizer_domain"],
-                                "body": {**body, "kernel": body["kernel"] + noise.astype(np.float32)}}
+    moved = {**body, "kernel": body["kernel"] + noise.astype(np.float32)}
+    own["featurizer_domain"] = {**own["featurizer_domain"], "body": moved}
     return {**variables, "params": {**variables["params"], "method": own}}
 
 
@@ -237,9 +237,9 @@ def optimizer_counts(opt_state):
     counts = {"discriminator": set(), "generator": set()}
     for path, leaf in jax.tree_util.tree_leaves_with_path(opt_state):
         text = jax.tree_util.keystr(path)
-        for group in counts:
+        for group, found in counts.items():
             if "count" in text and group in text:
-                counts[group].add(int(leaf))
+                found.add(int(leaf))
     return counts
 
 
@@ -433,7 +433,8 @@ def test_digits_run_records_the_methods_prediction(tmp_path):
     config = digits_config(steps=3, eval_every=3, algorithm="adrmx", adrmx_mlp_depth=3,
                            mlp_width=32, test_envs=(0, 1, 2, 3))
     train.train_and_evaluate(config, str(tmp_path))
-    records = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
+    with open(tmp_path / "results.jsonl") as f:
+        records = [json.loads(line) for line in f]
     for key in ("loss_disc", *LOSS_KEYS):
         assert np.isfinite(records[-1][key]), key
     model, variables = assert_the_evaluation_reproduces_the_record(tmp_path, "best")
