@@ -286,3 +286,27 @@ def test_a_pack_keeps_the_inner_steps_and_traces_the_rest():
     problems = packed.program_problems([base, {**base, "transfer_d_steps_per_g": 2}])
     assert len(problems) == 1 and "transfer_d_steps_per_g" in problems[0]
     assert packed.program_problems([base, {**base, "transfer_t_lambda": 0.1}]) == []
+
+
+def test_every_pass_draws_its_own_dropout():
+    """The reference's passes each draw a dropout mask: the whole batch's, one per domain
+    for the gap step, one per domain for each inner step; here each its own key."""
+    params, images, labels = make_problem()
+    hp = {**HP, "transfer_d_steps_per_g": 2}
+    procedure = procedures.make_procedure("transfer", hp, learning_rate=LR, weight_decay=WD,
+                                          num_domains=M)
+    keys = []
+
+    def recording_forward_at(p, dropout_key):
+        keys.append(dropout_key)
+        return forward_at(p, dropout_key)
+
+    def one(p, state, key):
+        passes = procedures.BatchPasses(recording_forward_at, jnp.asarray(images),
+                                        jnp.asarray(labels), M, jnp.int32(0))
+        procedure.update(p, state, passes, key)
+        return jnp.stack(keys)
+
+    drawn = np.asarray(jax.jit(one)(params, procedure.init(params), jax.random.PRNGKey(5)))
+    assert len(drawn) == 1 + M + 2 * M
+    assert len({tuple(k) for k in drawn}) == len(drawn)
