@@ -13,8 +13,8 @@ The settings:
 * ``digits8``: the same on 8 fake CPU devices (``--xla_force_host_platform_device_count=8``;
   the batch is sharded over them);
 * ``folder``: ``configs/image_folder.py`` on RotatedDigits written as an RGB image folder
-  (``sagm_jax.data.export``), ResNet-18 from scratch with BatchNorm trained, 32x32 inputs,
-  batch 8 per domain;
+  (``sagm_jax.data.export``), ResNet-18 from scratch, 32x32 inputs, batch 8 per domain;
+  BatchNorm trained, but frozen for the procedures (which refuse trainable BatchNorm);
 * ``sagm`` and ``swad``: an objective under the SAGM update rule, and under Adam with
   SWAD (objectives only: the procedures make their own update).
 
@@ -36,7 +36,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETTINGS = ("digits", "digits8", "folder", "sagm", "swad")
 FOLDER_FLAGS = ["--config.arch=resnet18", "--config.pretrained_weights=none",
-                "--config.freeze_batchnorm=False", "--config.image_size=32",
+                "--config.image_size=32",
                 "--config.batch_per_env=8", "--config.eval_batch_size=64",
                 "--config.test_envs=0"]
 
@@ -60,7 +60,11 @@ def command(objective: str, rule: str, setting: str, steps: int, folder: str, wo
             f"--config.steps={steps}", f"--config.eval_every={steps - 1}"]
     env = {}
     if setting == "folder":
-        argv += [f"--config.data_dir={folder}", *FOLDER_FLAGS]
+        from sagm_jax.methods.registry import rule_names
+
+        procedure = rule in rule_names("procedure")
+        argv += [f"--config.data_dir={folder}", *FOLDER_FLAGS,
+                 f"--config.freeze_batchnorm={procedure}"]
     if setting == "swad":
         argv += ["--config.swad=True", "--config.swad_n_converge=1",
                  "--config.swad_n_tolerance=2", "--config.swad_tolerance_ratio=0.3"]
