@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from float64_reference import TanhNet, adam_init, f64, ref_ce, tanh_net, torch_adam
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from run_fixtures import digits_config, train_steps
 
 from sagm_jax.methods import objectives
@@ -26,7 +27,7 @@ from sagm_jax.training import train
 HEIGHT, WIDTH, CHANNELS, DIM, CLASSES = 2, 3, 2, 4, 3
 M, B = 3, 4
 LR, WD, RHO = 0.01, 0.05, 0.05
-TOL = dict(rtol=2e-4, atol=2e-6)
+TOL = {"rtol": 2e-4, "atol": 2e-6}
 
 
 def TinyNet():
@@ -145,12 +146,12 @@ def test_three_steps_match_domainbeds_update(algorithm):
         for t in range(3):
             data = batch(t)
             x, y = jnp.asarray(data["image"], jnp.float64), jnp.asarray(data["label"])
-            value_and_grad = jax.jit(jax.value_and_grad(lambda q: ref_update(q, x, y, lam),
-                                                        has_aux=True))
+            value_and_grad = jax.jit(jax.value_and_grad(
+                lambda q, a=x, b=y: ref_update(q, a, b, lam), has_aux=True))
             (_, reported), g = value_and_grad(p)
             if algorithm == "sam":
                 norm = jnp.sqrt(sum(jnp.sum(a * a) for a in jax.tree.leaves(g)))
-                g = value_and_grad(jax.tree.map(lambda w, d: w + RHO * d / norm, p, g))[1]
+                g = value_and_grad(jax.tree.map(lambda w, d, n=norm: w + RHO * d / n, p, g))[1]
             p, adam = torch_adam(p, g, adam, LR, WD)
             assert set(metrics[t]) == set(reported)
             for key, want in reported.items():

@@ -28,11 +28,11 @@ from sagm_jax.training.train_step import StepMethod, create_train_state, make_tr
 HEIGHT, WIDTH, CHANNELS, DIM, CLASSES = 2, 3, 2, 4, 3
 M, B = 3, 4
 LR, WD, RHO = 0.01, 0.05, 0.05
-TOL = dict(rtol=2e-4, atol=2e-6)
+TOL = {"rtol": 2e-4, "atol": 2e-6}
 # The parameters: float32 distances s^2 + t^2 - 2 s t (the reference's ``my_cdist``, in
 # float32 there too) lose ~1e-7 s^2 to cancellation, times gamma up to 1000 in the kernel;
 # 1e-5 is 0.3% of one step of Adam here.
-PARAM_TOL = dict(rtol=2e-4, atol=1e-5)
+PARAM_TOL = {"rtol": 2e-4, "atol": 1e-5}
 GAMMAS = [0.0001, 0.001, 0.01, 0.1, 1, 10, 100, 1000]
 
 
@@ -105,8 +105,8 @@ def test_three_steps_match_domainbeds_update(anneal, algorithm):
             (_, reported), g = ref_value_and_grad(p, x, y, t, hp)
             if algorithm == "sam":
                 norm = jnp.sqrt(sum(jnp.sum(a * a) for a in jax.tree.leaves(g)))
-                g = ref_value_and_grad(jax.tree.map(lambda w, d: w + RHO * d / norm, p, g),
-                                       x, y, t, hp)[1]
+                g = ref_value_and_grad(
+                    jax.tree.map(lambda w, d, n=norm: w + RHO * d / n, p, g), x, y, t, hp)[1]
             p, adam = torch_adam(p, g, adam, lr, WD)
             assert set(metrics) == set(reported)
             for key, want in reported.items():
