@@ -65,9 +65,9 @@ PASSES = {
     # dropout, so XLA may compute them once).
     "transfer": 2 + 10 * F,
     "rdm": 1,
-    # IGA: the forward and M vector-Jacobian products (a backward each, over the whole
-    # batch), 1/3 + 2M/3, and the step's gradient of all of it, twice that again.
-    "iga": 1 + 2 * M,
+    # IGA: each domain's forward-backward over its rows (one pass in all), and the step's
+    # gradient of those gradients (a second-order backward, about twice that again).
+    "iga": 3,
     "trm": 1,  # one forward-backward; the heads' SGD and Neumann terms are linear maps
     "adrmx": 2,  # both featurizers' forward-backward every step; the heads and MLP aside
 }

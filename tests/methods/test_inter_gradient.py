@@ -163,8 +163,10 @@ def test_three_steps_match_domainbeds_update(algorithm):
                                            err_msg=f"step {t}")
 
 
-def test_one_forward_float32_and_eight_devices_agree():
-    """One call of the pass for the loss and all M gradients; bfloat16 passes give float32
+def test_one_pass_per_domain_float32_and_eight_devices_agree():
+    """One call of the pass per domain, over that domain's rows (as the reference's
+    ``self.network(x)`` per minibatch; M passes over the whole batch would cost M times
+    the backward passes), for the loss and all M gradients; bfloat16 passes give float32
     loss, metrics and domain losses. With 24 rows sharded over 8 devices (domain
     boundaries inside shards) loss and gradient are the one-device ones: each g_m is of
     the whole domain."""
@@ -175,7 +177,7 @@ def test_one_forward_float32_and_eight_devices_agree():
     calls = []
     loss, aux = jax.eval_shape(lambda p: ours(p, x, y, 1.0, calls, jnp.bfloat16),
                                variables["params"])
-    assert calls == [x.shape] and set(aux.batch_stats) == {"stats"}
+    assert calls == [(8, *x.shape[1:])] * M and set(aux.batch_stats) == {"stats"}
     assert loss.dtype == jnp.float32 and aux.domain_losses.shape == (M,)
     assert {k: v.dtype for k, v in aux.metrics.items()} == {"loss": jnp.float32,
                                                             "penalty": jnp.float32}
