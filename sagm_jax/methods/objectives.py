@@ -103,7 +103,8 @@ class Step(NamedTuple):
     ``Outputs.intermediates`` (MIRO). ``forward_at(params) -> forward`` is the same pass
     (the same dropout and MixStyle draws) at other parameters, for a loss that
     differentiates the network itself (IGA's per-domain gradients); call it instead of
-    ``forward``, once; None where the caller gives none."""
+    ``forward`` (IGA calls it once per domain, on that domain's rows); None where the
+    caller gives none."""
 
     hp: dict
     forward: Callable[[jax.Array], Outputs]
