@@ -108,6 +108,10 @@ def _stop_before(step_to_stop, monkeypatch):
         # Fishr's moving average of the domains' gradient variances (in the method's
         # batch_stats) under SAGM, its anneal switch and Adam restart after the resume.
         dict(objective="fishr", algorithm="sagm", fishr_penalty_anneal_iters=3),
+        # TRM's heads (params["method"]) and domain weights (its optimizer state), moving
+        # from step 1 on; RDM's penalty switch and Adam restart at rdm_lr after the resume.
+        dict(algorithm="trm", trm_iters=1),
+        dict(objective="rdm", algorithm="erm", rdm_penalty_anneal_iters=3),
         # SAGM + MIRO with SWAD: its encoders, its frozen oracle (in batch_stats), SWAD's
         # weight averages and the loss valley's state resume too (tolerance 100: the
         # valley lives on to the end, whose average is recorded).
