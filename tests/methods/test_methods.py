@@ -174,3 +174,30 @@ def test_the_methods_benchmark_knows_every_registered_methods_passes():
     spec.loader.exec_module(bench)
     names = {bench.method_name(*pair) for pair in bench.methods()}
     assert names - set(bench.PASSES) == set()
+
+
+# DomainBed HEAD's ``ALGORITHMS`` (``domainbed/algorithms.py``) that run here, by our flag:
+# a record's ``args.algorithm`` is the class name, so DomainBed's collect_results reads a
+# run of ours as a row of its own method.
+DOMAINBED_CLASSES = {
+    ("erm", "erm"): "ERM", ("mixup", "erm"): "Mixup", ("coral", "erm"): "CORAL",
+    ("mmd", "erm"): "MMD", ("groupdro", "erm"): "GroupDRO", ("irm", "erm"): "IRM",
+    ("vrex", "erm"): "VREx", ("rsc", "erm"): "RSC", ("selfreg", "erm"): "SelfReg",
+    ("arm", "erm"): "ARM", ("mtl", "erm"): "MTL", ("sd", "erm"): "SD",
+    ("causirl_coral", "erm"): "CausIRL_CORAL", ("causirl_mmd", "erm"): "CausIRL_MMD",
+    ("ib_erm", "erm"): "IB_ERM", ("ib_irm", "erm"): "IB_IRM", ("cad", "erm"): "CAD",
+    ("condcad", "erm"): "CondCAD", ("fishr", "erm"): "Fishr", ("eqrm", "erm"): "EQRM",
+    ("iga", "erm"): "IGA", ("rdm", "erm"): "RDM", ("erm", "fish"): "Fish",
+    ("erm", "and_mask"): "ANDMask", ("erm", "sand_mask"): "SANDMask", ("erm", "mldg"): "MLDG",
+    ("erm", "dann"): "DANN", ("erm", "cdann"): "CDANN", ("erm", "sagnet"): "SagNet",
+    ("erm", "trm"): "TRM", ("erm", "transfer"): "Transfer", ("erm", "adrmx"): "ADRMX",
+    ("erm", "urm"): "URM",
+}
+
+
+def test_records_name_each_domainbed_method_by_its_class():
+    from sagm_jax.training.rundir import record_algorithm
+
+    got = {pair: record_algorithm({"objective": pair[0], "algorithm": pair[1]})
+           for pair in DOMAINBED_CLASSES}
+    assert got == DOMAINBED_CLASSES
