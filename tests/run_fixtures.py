@@ -132,3 +132,33 @@ def train_steps(model, variables, objective, hp, steps, batch, *, num_domains, l
         states.append(state)
         metrics.append(values)
     return states, metrics
+
+
+def procedure_steps(name, hp, params, forward_at, images, labels, steps, *, num_domains,
+                    lr, wd):
+    """``steps`` jitted updates of the whole-batch procedure ``name`` (hyperparameters
+    ``hp``) on one batch, each with ``BatchPasses(forward_at, ...)`` and the key
+    ``PRNGKey(t)``: per step, the parameters (NumPy), the procedure's state and the
+    metrics (floats)."""
+    import jax
+    import jax.numpy as jnp
+
+    from sagm_jax.methods import procedures
+
+    procedure = procedures.make_procedure(name, hp, learning_rate=lr, weight_decay=wd,
+                                          num_domains=num_domains)
+    assert procedure.whole_batch
+
+    def one(p, state, step, key):
+        passes = procedures.BatchPasses(forward_at, jnp.asarray(images), jnp.asarray(labels),
+                                        num_domains, step)
+        updates, state, metrics = procedure.update(p, state, passes, key)
+        return jax.tree.map(jnp.add, p, updates), state, metrics
+
+    one = jax.jit(one)
+    state, history = procedure.init(params), []
+    for t in range(steps):
+        params, state, metrics = one(params, state, jnp.int32(t), jax.random.PRNGKey(t))
+        history.append((jax.tree.map(np.asarray, params), state,
+                        {k: float(v) for k, v in metrics.items()}))
+    return history

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from run_fixtures import procedure_steps
 
 from sagm_jax import methods
 from sagm_jax.methods import adversarial, networks, procedures
@@ -59,23 +60,9 @@ def forward_at(params, dropout_key):
 
 
 def run_package(name, hp, params, images, labels, steps):
-    procedure = procedures.make_procedure(name, hp, learning_rate=1.0, weight_decay=1.0,
-                                          num_domains=M)
-    assert procedure.whole_batch
-
-    def one(p, state, step, key):
-        passes = procedures.BatchPasses(forward_at, jnp.asarray(images), jnp.asarray(labels),
-                                        M, step)
-        updates, state, metrics = procedure.update(p, state, passes, key)
-        return jax.tree.map(jnp.add, p, updates), state, metrics
-
-    one = jax.jit(one)
-    state, history = procedure.init(params), []
-    for t in range(steps):
-        params, state, metrics = one(params, state, jnp.int32(t), jax.random.PRNGKey(t))
-        history.append((jax.tree.map(np.asarray, params),
-                        {k: float(v) for k, v in metrics.items()}))
-    return history, state
+    history = procedure_steps(name, hp, params, forward_at, images, labels, steps,
+                              num_domains=M, lr=1.0, wd=1.0)
+    return [(p, metrics) for p, _, metrics in history], history[-1][1]
 
 
 # ---------------------------------------------------------------- float64 re-statement

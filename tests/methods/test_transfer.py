@@ -18,7 +18,7 @@ import numpy as np
 import optax
 import pytest
 from float64_reference import f64, ref_ce, torch_adam
-from run_fixtures import digits_config
+from run_fixtures import digits_config, procedure_steps
 
 from sagm_jax import methods
 from sagm_jax.methods import networks, procedures, transfer
@@ -65,23 +65,8 @@ def forward_at(params, dropout_key):
 
 
 def run_package(hp, params, images, labels, steps):
-    procedure = procedures.make_procedure("transfer", hp, learning_rate=LR, weight_decay=WD,
-                                          num_domains=M)
-    assert procedure.whole_batch
-
-    def one(p, state, step, key):
-        passes = procedures.BatchPasses(forward_at, jnp.asarray(images), jnp.asarray(labels),
-                                        M, step)
-        updates, state, metrics = procedure.update(p, state, passes, key)
-        return jax.tree.map(jnp.add, p, updates), state, metrics
-
-    one = jax.jit(one)
-    state, history = procedure.init(params), []
-    for t in range(steps):
-        params, state, metrics = one(params, state, jnp.int32(t), jax.random.PRNGKey(t))
-        history.append((jax.tree.map(np.asarray, params), state,
-                        {k: float(v) for k, v in metrics.items()}))
-    return history
+    return procedure_steps("transfer", hp, params, forward_at, images, labels, steps,
+                           num_domains=M, lr=LR, wd=WD)
 
 
 # ---------------------------------------------------------------- float64 re-statement
