@@ -1,7 +1,7 @@
 """Every registered method trained from the command line, as a researcher starts it.
 
     python experiments/run_every_method.py [--methods NAME ...] [--settings NAME ...]
-        [--steps 21] [--out DIR]
+        [--steps 21] [--set KEY=VALUE ...] [--out DIR]
 
 For each method (an objective with ``algorithm=erm``, or an update rule with
 ``objective=erm``, as the registries list them) and each setting, it runs
@@ -18,7 +18,10 @@ The settings:
 * ``sagm`` and ``swad``: an objective under the SAGM update rule, and under Adam with
   SWAD (objectives only: the procedures make their own update).
 
-A run that fails prints its last error line in the table. Nothing here is a test: the
+``--set KEY=VALUE`` adds ``--config.KEY=VALUE`` to every run that trains the method owning
+KEY (short anneals, e.g. ``--set trm_iters=5 rdm_penalty_anneal_iters=5``, so that a
+21-step run reaches a method's second phase). A run that fails prints its last error
+line in the table. Nothing here is a test: the
 tests train each method on tiny data (``tests/methods/``); this is the whole program,
 start-up included, on the offline dataset.
 """
@@ -49,8 +52,11 @@ def every_method() -> list[tuple[str, str]]:
     return pairs + [("erm", rule) for rule in UPDATE_RULES if rule != "erm"]
 
 
-def command(objective: str, rule: str, setting: str, steps: int, folder: str, workdir: str):
-    """(argv, extra environment) of one run, or None where the setting does not apply."""
+def command(objective: str, rule: str, setting: str, steps: int, folder: str, workdir: str,
+            overrides=()):
+    """(argv, extra environment) of one run, or None where the setting does not apply;
+    ``overrides`` are ``KEY=VALUE`` words, each given where the method declares KEY."""
+    from sagm_jax.methods.registry import OBJECTIVES, UPDATE_RULES
     if setting in ("sagm", "swad") and objective == "erm":
         return None
     config = "image_folder.py" if setting == "folder" else "rotated_digits.py"
@@ -58,6 +64,9 @@ def command(objective: str, rule: str, setting: str, steps: int, folder: str, wo
             f"--workdir={workdir}", f"--config.objective={objective}",
             f"--config.algorithm={'sagm' if setting == 'sagm' else rule}",
             f"--config.steps={steps}", f"--config.eval_every={steps - 1}"]
+    own = {h.key for entry in (OBJECTIVES[objective], UPDATE_RULES[rule])
+           for h in entry.method.hyperparameters}
+    argv += [f"--config.{word}" for word in overrides if word.split("=")[0] in own]
     env = {}
     if setting == "folder":
         from sagm_jax.methods.registry import rule_names
@@ -83,16 +92,16 @@ def last_record(workdir: str) -> dict:
     return {}
 
 
-def run(objective, rule, setting, steps, folder, scratch) -> str:
+def run(objective, rule, setting, steps, folder, scratch, overrides=()) -> str:
     name = rule if objective == "erm" else objective
     workdir = os.path.join(scratch, f"{name}-{setting}")
-    built = command(objective, rule, setting, steps, folder, workdir)
+    built = command(objective, rule, setting, steps, folder, workdir, overrides)
     if built is None:
         return ""
     argv, env = built
     start = time.perf_counter()
     done = subprocess.run(argv, cwd=REPO, env={**os.environ, **env},
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, check=False)
     wall = time.perf_counter() - start
     if done.returncode:
         error = (done.stderr.strip().splitlines() or ["?"])[-1][:120]
@@ -111,6 +120,8 @@ def main():
     parser.add_argument("--methods", nargs="*", default=names, choices=names)
     parser.add_argument("--settings", nargs="*", default=list(SETTINGS), choices=SETTINGS)
     parser.add_argument("--steps", type=int, default=21)
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="a method hyperparameter for the runs of the methods that have it")
     parser.add_argument("--out", default=None, help="run directories (default: a temporary one)")
     args = parser.parse_args()
     scratch = args.out or tempfile.mkdtemp(prefix="every_method_")
@@ -125,7 +136,7 @@ def main():
         if name not in args.methods:
             continue
         for setting in args.settings:
-            row = run(objective, rule, setting, args.steps, folder, scratch)
+            row = run(objective, rule, setting, args.steps, folder, scratch, args.set)
             if row:
                 print(row, flush=True)
 
