@@ -105,11 +105,10 @@ def _stop_before(step_to_stop, monkeypatch):
         dict(objective="groupdro", algorithm="sagm", disam_lambda=0.5),
         dict(objective="irm", algorithm="erm", irm_penalty_anneal_iters=3),
         dict(algorithm="dann"),
-        # Fishr's moving average of the domains' gradient variances (in the method's
-        # batch_stats) under SAGM, its anneal switch and Adam restart after the resume.
-        dict(objective="fishr", algorithm="sagm", fishr_penalty_anneal_iters=3),
-        # TRM's heads (params["method"]) and domain weights (its optimizer state), moving
-        # from step 1 on; RDM's penalty switch and Adam restart at rdm_lr after the resume.
+        # TRM end to end: its heads (params["method"]) and domain weights (its optimizer
+        # state), moving from step 1 on; RDM's penalty switch and Adam restart at rdm_lr
+        # after the resume. (A method's state in batch_stats, Fishr's moving average,
+        # resumes as MIRO's oracle below.)
         dict(algorithm="trm", trm_iters=1),
         dict(objective="rdm", algorithm="erm", rdm_penalty_anneal_iters=3),
         # SAGM + MIRO with SWAD: its encoders, its frozen oracle (in batch_stats), SWAD's

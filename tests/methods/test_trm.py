@@ -7,8 +7,9 @@ in-place ``-=`` (so its aliasing happens as it does in PyTorch); the transfer ri
 differentiated by ``jax.grad`` through the features; ``alpha`` as a NumPy matrix; and
 the reference's two Adams, ``optimizer_f`` over the featurizer and ``optimizer_c`` over
 the classifier, each with its own state. The network is a tiny dense featurizer and
-classifier; whole train steps run through ``make_train_step``. One tiny end-to-end run
-on RotatedDigits, and the sweep's draws of TRM's hyperparameters under DomainBed's names.
+classifier; whole train steps run through ``make_train_step``; the sweep's draws of TRM's
+hyperparameters under DomainBed's names. (TRM trains end to end on RotatedDigits, killed
+and resumed, in tests/methods/test_method_runs.py.)
 """
 
 import hashlib
@@ -18,13 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from float64_reference import TanhNet, adam_init, f64, ref_ce, tanh_net, torch_adam
-from run_fixtures import digits_config
 
 from sagm_jax import methods
 from sagm_jax.methods import networks, trm
 from sagm_jax.methods.procedures import make_procedure
 from sagm_jax.sweep.hparams import random_hparams
-from sagm_jax.training import train
 from sagm_jax.training.train_step import StepMethod, create_train_state, make_train_step
 
 HEIGHT, WIDTH, CHANNELS, DIM, CLASSES = 2, 2, 2, 4, 3
@@ -307,16 +306,6 @@ def test_sweep_draws_trms_hyperparameters_under_domainbeds_names(hparams_seed):
                 "groupdro_eta": 10 ** draw("groupdro_eta").uniform(-3, -1)}
     assert {k: got[k] for k in want} == want
     assert "trm_fix_neumann" not in got  # no DomainBed draw: the config's value stays
-
-
-def test_trm_trains_on_rotated_digits(tmp_path):
-    """Step 0 ERM, step 1 TRM (iters 1): the records carry DomainBed's nll and trm_loss."""
-    records = train.train_and_evaluate(
-        digits_config(algorithm="trm", steps=2, eval_every=1, trm_iters=1, trm_cos_lambda=0.1),
-        str(tmp_path))
-    assert [r["step"] for r in records] == [0, 1]
-    assert all(np.isfinite(r[k]) for r in records for k in ("loss", "nll", "trm_loss"))
-    assert records[0]["trm_loss"] == 0.0 and records[1]["trm_loss"] != 0.0
 
 
 def test_records_name_the_algorithm_as_domainbed_does():
