@@ -116,14 +116,21 @@ def assert_the_evaluation_reproduces_the_record(workdir, which):
 def train_steps(model, variables, objective, hp, steps, batch, *, num_domains, lr, wd, key,
                 algorithm="erm", rule_hp=None):
     """``steps`` jitted train steps of ``objective`` (hyperparameters ``hp``) under the
-    update rule ``algorithm``, on ``batch(t)`` at step t, with the step key
-    ``jax.random.key(key)``: the states (the initial one first) and each step's metrics."""
+    update rule ``algorithm`` (a procedure too, with its hyperparameters ``rule_hp``), on
+    ``batch(t)`` at step t, with the step key ``jax.random.key(key)``: the states (the
+    initial one first) and each step's metrics."""
     import jax
 
+    from sagm_jax.methods.procedures import make_procedure
+    from sagm_jax.methods.registry import rule_names
     from sagm_jax.methods.update_rules import rule_optimizer
     from sagm_jax.training.train_step import StepMethod, create_train_state, make_train_step
 
-    opt = rule_optimizer(algorithm, rule_hp or {}, learning_rate=lr, weight_decay=wd)
+    if algorithm in rule_names("procedure"):
+        opt = make_procedure(algorithm, rule_hp or {}, learning_rate=lr, weight_decay=wd,
+                             num_domains=num_domains)
+    else:
+        opt = rule_optimizer(algorithm, rule_hp or {}, learning_rate=lr, weight_decay=wd)
     step = jax.jit(make_train_step(model, opt, algorithm=algorithm,
                                    method=StepMethod(objective, hp, num_domains)))
     states, metrics = [create_train_state(variables, opt, {})], []

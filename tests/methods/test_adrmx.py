@@ -27,6 +27,7 @@ from sagm_jax.training.train_step import (
 )
 
 from float64_reference import TanhNet, adam_init, f64, ref_ce, torch_adam
+from run_fixtures import train_steps
 
 HEIGHT, WIDTH, CHANNELS, DIM, CLASSES = 2, 2, 2, 8, 4
 M, B = 3, 4  # domains, rows per domain
@@ -86,14 +87,8 @@ def distinct_copy(variables):
 def run_steps(hp, steps, net=None):
     model, variables = build(hp, net)
     variables = distinct_copy(variables)
-    procedure = make_procedure("adrmx", hp, learning_rate=LR, weight_decay=WD, num_domains=M)
-    step = jax.jit(make_train_step(model, procedure, algorithm="adrmx",
-                                   method=StepMethod("erm", {}, M)))
-    states, metrics = [create_train_state(variables, procedure, {})], []
-    for t in range(steps):
-        state, values = step(states[-1], batch(t), jax.random.key(KEY))
-        states.append(state)
-        metrics.append(values)
+    states, metrics = train_steps(model, variables, "erm", {}, steps, batch, num_domains=M,
+                                  lr=LR, wd=WD, key=KEY, algorithm="adrmx", rule_hp=hp)
     return model, variables, states, metrics
 
 

@@ -20,6 +20,7 @@ from sagm_jax.methods.procedures import make_procedure
 from sagm_jax.training.train_step import StepMethod, create_train_state, make_train_step
 
 from float64_reference import TanhNet, adam_init, f64, torch_adam
+from run_fixtures import train_steps
 
 HEIGHT, WIDTH, CHANNELS, DIM, CLASSES = 2, 2, 2, 3, 4
 M, B = 3, 2  # domains, rows per domain
@@ -51,15 +52,9 @@ def build(net=None):
 
 def run_steps(steps=3):
     model, variables = build()
-    procedure = make_procedure("mdsdi", {}, learning_rate=LR, weight_decay=WD, num_domains=M)
-    step = jax.jit(make_train_step(model, procedure, algorithm="mdsdi",
-                                   method=StepMethod("erm", {}, M)))
-    state = create_train_state(variables, procedure, {})
-    states, metrics = [state], []
-    for t in range(steps):
-        state, m = step(state, batch(M * B, seed=t), jax.random.key(7))
-        states.append(state)
-        metrics.append(m)
+    states, metrics = train_steps(model, variables, "erm", {}, steps,
+                                  lambda t: batch(M * B, seed=t), num_domains=M, lr=LR,
+                                  wd=WD, key=7, algorithm="mdsdi")
     return model, variables, states, metrics
 
 
