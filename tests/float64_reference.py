@@ -53,6 +53,23 @@ class TanhNet(nn.Module):
         return (h, logits) if features else logits
 
 
+class ConvTanhNet(nn.Module):
+    """:class:`TanhNet` with a convolution for its body (a VALID ``kernel``, the image's
+    size: one position): features = tanh(flatten(conv(x))), for the tests that look for
+    the step's convolutions (where XLA's CPU backend runs them)."""
+
+    dim: int
+    classes: int
+    kernel: tuple
+
+    @nn.compact
+    def __call__(self, x, train: bool, mixstyle: bool = False, features: bool = False):
+        h = nn.Conv(self.dim, self.kernel, padding="VALID", name="body")(x)
+        h = jnp.tanh(h.reshape(h.shape[0], -1))
+        logits = nn.Dense(self.classes, name="classifier")(h)
+        return (h, logits) if features else logits
+
+
 def tanh_net(p, x):
     """:class:`TanhNet`'s (features, logits) from its parameters ``p``, in their dtype."""
     h = jnp.tanh(x.reshape(len(x), -1) @ p["body"]["kernel"] + p["body"]["bias"])

@@ -9,7 +9,6 @@ draw (the first two entries of a uniform permutation of each class's count), re-
 here from the step's key. Whole train steps run through ``make_train_step`` on a tiny
 network; one tiny RotatedDigits run checks that the record is the method's prediction."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,7 +25,7 @@ from sagm_jax.training.train_step import (
     step_keys,
 )
 
-from float64_reference import TanhNet, adam_init, f64, ref_ce, torch_adam
+from float64_reference import ConvTanhNet, TanhNet, adam_init, f64, ref_ce, torch_adam
 from run_fixtures import train_steps
 
 HEIGHT, WIDTH, CHANNELS, DIM, CLASSES = 2, 2, 2, 8, 4
@@ -346,23 +345,12 @@ def test_prediction_is_the_label_featurizer_and_first_head(trained):
     np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), **TOL)
 
 
-class TinyConvNet(nn.Module):
-    """TanhNet with a convolution for its body."""
-
-    @nn.compact
-    def __call__(self, x, train: bool, mixstyle: bool = False, features: bool = False):
-        h = nn.Conv(DIM, (HEIGHT, WIDTH), padding="VALID", name="body")(x)
-        h = jnp.tanh(h.reshape(h.shape[0], -1))
-        logits = nn.Dense(CLASSES, name="classifier")(h)
-        return (h, logits) if features else logits
-
-
 def test_network_passes_stay_outside_control_flow():
     """Both featurizers' passes run once per step, outside the cond that picks the
     optimizer (XLA's CPU backend runs convolutions inside a branch slowly)."""
     from test_adversarial import ops_under_control_flow
 
-    model, variables = build(hparams(), TinyConvNet())
+    model, variables = build(hparams(), ConvTanhNet(DIM, CLASSES, (HEIGHT, WIDTH)))
     procedure = make_procedure("adrmx", hparams(), learning_rate=LR, weight_decay=WD,
                                num_domains=M)
     step = make_train_step(model, procedure, algorithm="adrmx", method=StepMethod("erm", {}, M))

@@ -8,7 +8,6 @@ and torch's Adam (coupled L2) for both persistent optimizers. The network is a t
 featurizer and classifier; whole train steps run through ``make_train_step``. One tiny
 end-to-end run checks that the recorded accuracies are the method's prediction."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +18,7 @@ from sagm_jax.methods import networks
 from sagm_jax.methods.procedures import make_procedure
 from sagm_jax.training.train_step import StepMethod, create_train_state, make_train_step
 
-from float64_reference import TanhNet, adam_init, f64, torch_adam
+from float64_reference import ConvTanhNet, TanhNet, adam_init, f64, torch_adam
 from run_fixtures import train_steps
 
 HEIGHT, WIDTH, CHANNELS, DIM, CLASSES = 2, 2, 2, 3, 4
@@ -216,24 +215,13 @@ def test_recorded_accuracies_are_the_methods_prediction(tmp_path):
     assert "zs_encoder" in variables["params"]["method"]
 
 
-class TinyConvNet(nn.Module):
-    """TinyNet with a convolution for its body: features = tanh(flatten(conv(x)) + b)."""
-
-    @nn.compact
-    def __call__(self, x, train: bool, mixstyle: bool = False, features: bool = False):
-        h = nn.Conv(DIM, (HEIGHT, WIDTH), padding="VALID", name="body")(x)
-        h = jnp.tanh(h.reshape(h.shape[0], -1))
-        logits = nn.Dense(CLASSES, name="classifier")(h)
-        return (h, logits) if features else logits
-
-
 def test_network_passes_stay_outside_control_flow():
     """XLA's CPU backend runs the convolutions inside a loop body in a slow generic form
     (a RotatedDigits mDSDI step under ``lax.scan`` took 7 s instead of 0.25 s,
     docs/performance.md): the meta step's passes are unrolled over the domains."""
     from test_adversarial import ops_under_control_flow
 
-    model, variables = build(TinyConvNet())
+    model, variables = build(ConvTanhNet(DIM, CLASSES, (HEIGHT, WIDTH)))
     procedure = make_procedure("mdsdi", {}, learning_rate=LR, weight_decay=WD, num_domains=M)
     step = make_train_step(model, procedure, algorithm="mdsdi", method=StepMethod("erm", {}, M))
     state = create_train_state(variables, procedure, {})

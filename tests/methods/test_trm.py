@@ -268,17 +268,20 @@ def test_neumann_series_is_the_references(scale):
 def test_network_passes_stay_outside_control_flow():
     """The ERM/TRM branch is a ``lax.cond`` over the heads' arithmetic; the network's
     pass and its backward run once, outside it (docs/performance.md)."""
+    from float64_reference import ConvTanhNet
     from test_adversarial import ops_under_control_flow
-    from test_mdsdi import TinyConvNet
 
-    net = TinyConvNet()
-    variables = net.init(jax.random.key(0), jnp.zeros((1, 2, 2, 2)), train=False)
-    own = trm.init_heads(jax.random.key(1), networks.Shapes((2, 2, 2), 3, 4, M), {})
+    net = ConvTanhNet(DIM, CLASSES, (HEIGHT, WIDTH))
+    variables = net.init(jax.random.key(0), jnp.zeros((1, HEIGHT, WIDTH, CHANNELS)),
+                         train=False)
+    own = trm.init_heads(jax.random.key(1),
+                         networks.Shapes((HEIGHT, WIDTH, CHANNELS), DIM, CLASSES, M), {})
     variables = networks.with_method_variables(dict(variables), own)
     procedure = make_procedure("trm", trm_hp(), learning_rate=LR, weight_decay=WD, num_domains=M)
     step = make_train_step(net, procedure, algorithm="trm", method=StepMethod("erm", {}, M))
     jaxpr = jax.make_jaxpr(step)(create_train_state(variables, procedure, {}),
-                                 {"image": np.zeros((M * 2, 2, 2, 2), np.float32),
+                                 {"image": np.zeros((M * 2, HEIGHT, WIDTH, CHANNELS),
+                                                    np.float32),
                                   "label": np.zeros(M * 2, np.int32)}, jax.random.key(7))
     assert "conv_general_dilated" not in ops_under_control_flow(jaxpr.jaxpr)
     assert any(e.primitive.name == "conv_general_dilated" for e in jaxpr.jaxpr.eqns)
