@@ -185,14 +185,19 @@ class Checkpoints:
         metrics = {"validation": float(validation), "step": int(step)}
         if training is not None:
             metrics["training"] = dict(training)
+        failure = None
         with _stops_held(), _save_errors_held() as held:
             try:
                 self.manager.save(step, args=ocp.args.StandardSave(state), metrics=metrics)
             except Exception as error:
                 held.clear()  # the message below says it; ``from`` keeps the traceback
-                raise OSError(self._failure(step, error)) from error
-            if jax.process_index() == 0:  # orbax prunes on the primary host
-                shutil.rmtree(os.path.join(self.directory, PRUNED), ignore_errors=True)
+                failure = error
+            else:
+                if jax.process_index() == 0:  # orbax prunes on the primary host
+                    shutil.rmtree(os.path.join(self.directory, PRUNED), ignore_errors=True)
+        if failure is not None:
+            _drop_closed_loop_callbacks()
+            raise OSError(self._failure(step, failure)) from failure
 
     def _failure(self, step: int, error: Exception) -> str:
         """One line for a user: what failed, where, the free space, what is kept and
@@ -270,6 +275,24 @@ def _save_errors_held():
             emit()
 
 
+def _drop_closed_loop_callbacks() -> None:
+    """After a failed save the run ends with its one-line message, but the failed save's
+    tensorstore writes may still call back into orbax's closed event loop from their
+    threads after :func:`_save_errors_held` has ended (a race), which Python reports as
+    an unraisable ``RuntimeError('Event loop is closed')`` with its traceback. From then
+    on those reports are dropped; any other unraisable exception is still printed."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        error = unraisable.exc_value
+        if isinstance(error, RuntimeError) and str(error) == CLOSED_LOOP:
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+
+
+CLOSED_LOOP = "Event loop is closed"  # asyncio's message for a call into a closed loop
 NO_SPACE = "no space left on device"
 
 
