@@ -13,12 +13,16 @@ learning rate and seed, as in a sweep. For each R and each ``--lanes`` mode
 (``sagm_jax.training.packed``: ``vmap``, one vmapped program; ``loop``, the runs
 stepped one after the other by one compiled step) it prints the first step (compile)
 time, the step time, run-steps per second, their ratio to R = 1, and on accelerators
-the device's peak memory. Markdown on stdout.
+the device's peak memory. Each (lanes, R) runs in a process of its own, so that its
+peak memory is its own. Markdown on stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 import time
 
 import jax
@@ -90,7 +94,13 @@ def main():
     parser.add_argument("--packs", nargs="+", type=int, default=[1, 2, 6, 18])
     parser.add_argument("--lanes", nargs="+", choices=packed.LANES, default=list(packed.LANES))
     parser.add_argument("--steps", type=int, default=10, help="Timed steps after the first.")
+    parser.add_argument("--one", action="store_true",
+                        help="measure the first of --lanes and --packs; print one JSON line")
     args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure(args.model, args.algorithm, args.packs[0], args.lanes[0],
+                                 args.steps)))
+        return
     print(f"# {args.model}, {args.algorithm}, on {jax.devices()[0].device_kind} "
           f"({jax.default_backend()})\n")
     print("| lanes | R | first step (s) | step (ms) | run-steps/s | vs R=1 | peak memory |")
@@ -98,7 +108,11 @@ def main():
     base = {}
     for lanes in args.lanes:
         for runs in args.packs:
-            first, step, peak = measure(args.model, args.algorithm, runs, lanes, args.steps)
+            one = [sys.executable, __file__, "--one", "--model", args.model, "--algorithm",
+                   args.algorithm, "--packs", str(runs), "--lanes", lanes,
+                   "--steps", str(args.steps)]
+            done = subprocess.run(one, capture_output=True, text=True, check=True)
+            first, step, peak = json.loads(done.stdout.strip().splitlines()[-1])
             rate = runs / step
             base.setdefault(lanes, rate)
             memory = f"{peak / 2**30:.2f} GiB" if peak else "-"

@@ -213,7 +213,7 @@ def test_a_pack_of_one_is_the_run_trained_alone(tmp_path):
 
 def test_vmapped_runs_record_what_the_runs_alone_record(tmp_path):
     """Two runs (two test environments, trial seeds, seeds, learning rates) packed
-    with vmapped lanes (the accelerators' default; the CPU's loop lanes are checked by
+    with vmapped lanes (the default on several accelerators; the loop lanes are checked by
     tests/sweep/test_packs.py) against each alone: records that agree
     (:func:`assert_records_agree`; measured on the 2-core CPU: the same accuracies,
     losses within 2e-6)."""
