@@ -112,24 +112,32 @@ class TracedDropout(nn.Dropout):
 def classifier_head(
     x, num_classes: int, dropout_rate: float, train: bool, kernel_init=None, features=False
 ):
-    """DomainBed's head: global average pool -> dropout -> ``classifier`` (a Dense layer
-    with torch's ``nn.Linear`` init unless ``kernel_init`` is given). Called inside a
-    network's ``__call__``: its layers are the network's. Returns the logits, or
-    ``(features, logits)`` with ``features`` (the post-dropout pooled vector, DomainBed's
+    """DomainBed's head on a feature map: global average pool, then :func:`linear_head`.
+    Called inside a network's ``__call__``: its layers are the network's."""
+    return linear_head(jnp.mean(x, axis=(1, 2)), num_classes, dropout_rate, train,
+                       kernel_init=kernel_init, features=features)
+
+
+def linear_head(
+    feature, num_classes: int, dropout_rate: float, train: bool, kernel_init=None, features=False
+):
+    """DomainBed's head on a feature vector [B, D]: dropout -> ``classifier`` (a Dense
+    layer with torch's ``nn.Linear`` init unless ``kernel_init`` is given). Called inside
+    a network's ``__call__``: its layers are the network's. Returns the logits, or
+    ``(features, logits)`` with ``features`` (the post-dropout vector, DomainBed's
     featurizer output that CORAL and MMD compare)."""
-    pooled = jnp.mean(x, axis=(1, 2))
     if not isinstance(dropout_rate, (int, float)):  # traced: a pack's runs differ in it
-        pooled = TracedDropout(dropout_rate, deterministic=not train, name="Dropout_0")(pooled)
+        feature = TracedDropout(dropout_rate, deterministic=not train, name="Dropout_0")(feature)
     elif dropout_rate > 0.0:
-        pooled = nn.Dropout(dropout_rate, deterministic=not train)(pooled)
-    fan_in = pooled.shape[-1]
+        feature = nn.Dropout(dropout_rate, deterministic=not train)(feature)
+    fan_in = feature.shape[-1]
     logits = nn.Dense(
         num_classes,
         kernel_init=kernel_init or torch_linear_init(fan_in),
         bias_init=torch_linear_init(fan_in),
         name="classifier",
-    )(pooled)
-    return (pooled, logits) if features else logits
+    )(feature)
+    return (feature, logits) if features else logits
 
 
 def on_cpu() -> bool:

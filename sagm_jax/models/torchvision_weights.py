@@ -77,7 +77,7 @@ class LayoutEntry:
     shape: tuple[int, ...]
     collection: str  # 'params' or 'batch_stats'
     path: tuple[str, ...]  # module path and variable name inside the collection
-    kind: str  # 'conv', 'linear' or 'vector': how the array is transposed
+    kind: str  # 'conv', 'linear' or 'vector' (as it is): how the array is transposed (convert_layout)
 
 
 def _conv_entries(torch_module: str, flax_module: tuple[str, ...], out_ch: int, in_ch: int, k: int):
@@ -173,7 +173,21 @@ def convert_torchvision(state_dict: Mapping[str, Any], arch: str | None = None) 
     num_classes = (
         int(np.shape(fc_weight)[0]) if fc_weight is not None and np.ndim(fc_weight) == 2 else 1000
     )
-    layout = torchvision_layout(arch, num_classes)
+    return convert_layout(state_dict, torchvision_layout(arch, num_classes), f"torchvision {arch}")
+
+
+def convert_layout(
+    state_dict: Mapping[str, Any], layout: list[LayoutEntry], description: str
+) -> dict[str, dict]:
+    """Map ``state_dict`` onto ``{'params': ..., 'batch_stats': ...}`` by ``layout``.
+
+    Strict: every key of the layout must be present with its exact shape and no other
+    key may appear, except ``*.num_batches_tracked``, which is ignored. Errors name the
+    keys and ``description`` (the network the layout is of). Each array becomes
+    float32: a ``conv`` weight [out, in, kh, kw] becomes the kernel [kh, kw, in, out]
+    (grouped convolutions alike: [out, in / groups, ...]), a ``linear`` weight
+    [out, in] the kernel [in, out], and a ``vector`` (any other array) stays as it is.
+    """
     expected = {entry.torch_key for entry in layout}
     given = {key for key in state_dict if not key.endswith(IGNORED_SUFFIX)}
     problems = []
@@ -191,7 +205,7 @@ def convert_torchvision(state_dict: Mapping[str, Any], arch: str | None = None) 
             f"mis-shaped keys ({len(misshaped)}): " + "; ".join(misshaped[:MAX_KEYS_IN_MESSAGE])
         )
     if problems:
-        raise ValueError(f"state dict does not match torchvision {arch}: " + " | ".join(problems))
+        raise ValueError(f"state dict does not match {description}: " + " | ".join(problems))
 
     variables: dict[str, dict] = {"params": {}, "batch_stats": {}}
     for entry in layout:
