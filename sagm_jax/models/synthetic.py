@@ -79,3 +79,52 @@ def weights_fingerprint(weights: dict[str, np.ndarray]) -> str:
         digest.update(key.encode())
         digest.update(np.ascontiguousarray(array, dtype=np.float32).tobytes())
     return digest.hexdigest()
+
+
+# --- CLIP ResNet-50 image tower (sagm_jax.models.clip_resnet) ---------------------------
+# The golden file's configuration (experiments/make_clip_resnet_golden.py and
+# tests/models/test_clip_resnet.py): RN50 at 224x224, and a reduced variant at 64x64
+# (one block per stage, width 8, 4 heads, a 2x2 grid) for the train-mode BatchNorm checks.
+CLIP_RESNET_WEIGHT_SEED = 1050
+CLIP_RESNET_IMAGE_SEED = 2224
+CLIP_RESNET_SIZE = 224
+CLIP_RESNET_SMALL = {"layers": (1, 1, 1, 1), "width": 8, "heads": 4, "output_dim": 32}
+CLIP_RESNET_SMALL_SIZE = 64
+CLIP_RESNET_SMALL_SEED = 1064
+
+
+def draw_clip_resnet_weights(
+    seed: int,
+    image_size: int = 224,
+    layers: tuple[int, ...] = (3, 4, 6, 3),
+    width: int = 64,
+    output_dim: int = 1024,
+) -> dict[str, np.ndarray]:
+    """An open_clip ``ModifiedResNet.state_dict()`` (without counters), in its key order.
+
+    As ``draw_torchvision_weights``: convs N(0, 2 / fan_in); BatchNorm scale U(0.5, 1.5),
+    except each block's ``bn3`` U(0.1, 0.4); BatchNorm bias and running mean N(0, 0.1^2),
+    running variance U(0.5, 2). The attention pool's projections N(0, 1 / fan_in), their
+    biases N(0, 0.1^2), the positional embedding N(0, 0.5^2) (comparable to the tokens).
+    """
+    from sagm_jax.models.clip_resnet_weights import clip_resnet_layout
+
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for entry in clip_resnet_layout(image_size, layers, width, output_dim):
+        key, shape = entry.torch_key, entry.shape
+        if entry.kind == "conv":
+            array = rng.standard_normal(shape) * np.sqrt(2.0 / np.prod(shape[1:]))
+        elif entry.kind == "linear":
+            array = rng.standard_normal(shape) * np.sqrt(1.0 / shape[1])
+        elif key.endswith("positional_embedding"):
+            array = rng.standard_normal(shape) * 0.5
+        elif key.endswith(".weight"):  # BatchNorm scale
+            last = key.startswith("layer") and ".bn3." in key
+            array = rng.uniform(*((0.1, 0.4) if last else (0.5, 1.5)), shape)
+        elif key.endswith(".running_var"):
+            array = rng.uniform(0.5, 2.0, shape)
+        else:  # BatchNorm bias, running mean, linear biases
+            array = rng.standard_normal(shape) * 0.1
+        weights[key] = array.astype(np.float32)
+    return weights
