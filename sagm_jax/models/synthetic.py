@@ -128,3 +128,66 @@ def draw_clip_resnet_weights(
             array = rng.standard_normal(shape) * 0.1
         weights[key] = array.astype(np.float32)
     return weights
+
+
+# --- CLIP ViT-B/16 and DINOv2 ViT-B/14 (sagm_jax.models.vit) ----------------------------
+# The golden file's configuration (experiments/make_vit_golden.py and
+# tests/models/test_vit.py): each network at 224x224, batch 2; DINOv2's position-table
+# resampling on a small seeded table (the checkpoint's 37x37 grid, 3 channels) to the
+# grids VIT_POS_GRIDS (16: 224-pixel images; 8, 23: other downsamplings; 40: upsampling).
+VIT_WEIGHT_SEEDS = {"clip_vit_b16": 1616, "dinov2_vit_b14": 1414}
+VIT_IMAGE_SEED = 2242
+VIT_SIZE = 224
+VIT_BATCH = 2
+VIT_POS_SEED = 3737
+VIT_POS_WIDTH = 3
+VIT_POS_GRIDS = (16, 8, 23, 40)
+
+
+def _draw_vit(layout, seed: int) -> dict[str, np.ndarray]:
+    """Arrays for a ViT ``layout``, in its order: patch convs and linear layers
+    N(0, 2 / fan_in) (He); CLIP's ``proj`` N(0, 1 / width); LayerNorm scale U(0.5, 1.5),
+    every bias N(0, 0.1^2); class token, mask token and position table N(0, 0.5^2)
+    (comparable to the patch embeddings); DINOv2's LayerScale U(0.1, 0.5), so that the
+    residual stream grows slowly over the blocks. Attention logits then have a standard
+    deviation near 2: the softmax is neither uniform nor one-hot."""
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for entry in layout:
+        key, shape = entry.torch_key, entry.shape
+        if entry.kind in ("conv", "linear") or key.endswith("in_proj_weight"):
+            array = rng.standard_normal(shape) * np.sqrt(2.0 / np.prod(shape[1:]))
+        elif key == "proj":
+            array = rng.standard_normal(shape) * np.sqrt(1.0 / shape[0])
+        elif key.endswith(".gamma"):
+            array = rng.uniform(0.1, 0.5, shape)
+        elif key.endswith(".weight"):  # LayerNorm scale
+            array = rng.uniform(0.5, 1.5, shape)
+        elif key.endswith("bias"):
+            array = rng.standard_normal(shape) * 0.1
+        else:  # class/mask token, position table
+            array = rng.standard_normal(shape) * 0.5
+        weights[key] = array.astype(np.float32)
+    return weights
+
+
+def draw_clip_vit_weights(seed: int, image_size: int = 224, **architecture) -> dict[str, np.ndarray]:
+    """An open_clip ``VisionTransformer.state_dict()`` (ViT-B/16 unless ``architecture``
+    gives ``vit_weights.clip_vit_layout``'s patch_size, width, depth, output_dim)."""
+    from sagm_jax.models.vit_weights import clip_vit_layout
+
+    return _draw_vit(clip_vit_layout(image_size, **architecture), seed)
+
+
+def draw_dinov2_weights(seed: int, **architecture) -> dict[str, np.ndarray]:
+    """A DINOv2 hub checkpoint's state dict (ViT-B/14 with the 37x37 position grid unless
+    ``architecture`` gives ``vit_weights.dinov2_layout``'s keywords)."""
+    from sagm_jax.models.vit_weights import dinov2_layout
+
+    return _draw_vit(dinov2_layout(**architecture), seed)
+
+
+def draw_pos_table(seed: int, grid: int, width: int) -> np.ndarray:
+    """A DINOv2-shaped position table [1, 1 + grid^2, width], N(0, 1)."""
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((1, 1 + grid * grid, width)).astype(np.float32)
