@@ -1,45 +1,118 @@
-"""Convert a torchvision .pth checkpoint once into a file that needs no torch.
+"""Convert a backbone's weight file once into a torchvision-layout file that needs no torch.
 
     python -m sagm_jax.models.convert resnet50-0676ba61.pth resnet50.safetensors
+    python -m sagm_jax.models.convert model.safetensors resnet50_augmix.safetensors --layout timm
+    python -m sagm_jax.models.convert resnet50.pth resnet50_barlowtwins.safetensors
+    python -m sagm_jax.models.convert r-50-1000ep.pth.tar resnet50_mocov3.safetensors
 
-Run it on any machine with torch (``pip install 'sagm_jax[torch]'``). The output
-(``.safetensors`` or ``.npz``, by its suffix) holds the same keys and arrays; it
-is checked strictly against torchvision's ResNet layout before it is written. The
-source file's SHA-256 is stored in the safetensors metadata (``source_sha256``)
-and both digests are printed, so results can be traced to the original download.
+Run it on any machine with torch (``pip install 'sagm_jax[torch]'``) for a torch
+file (.pth, .pt, .bin, .pth.tar); .safetensors and .npz sources need no torch. The
+file's layout is detected from its keys, or named with ``--layout`` (``LAYOUTS``:
+the ResNet layouts of ``resnet_layouts``: torchvision, timm, barlowtwins, mocov3).
+The output (``.safetensors`` or ``.npz``, by its suffix) holds the weights in
+torchvision's key layout (a torchvision or timm file's keys and arrays unchanged,
+a MoCo v3 checkpoint's base encoder renamed), checked strictly before it is
+written. The layout and the source file's SHA-256 are stored in the safetensors
+metadata (``layout``, ``source_sha256``); the layout and both digests are printed,
+so results can be traced to the original download.
+
+``CONVERTERS`` dispatches by family: each ``Converter`` names the layouts it reads,
+detects one from the keys, and prepares the state dict to write.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
 
+from sagm_jax.models.resnet_layouts import RESNET_LAYOUTS, detect_resnet_layout, resnet_state_dict
 from sagm_jax.models.torchvision_weights import (
-    convert_torchvision,
+    MAX_KEYS_IN_MESSAGE,
     infer_arch,
     load_weights,
     save_weights,
 )
 
 
+@dataclass(frozen=True)
+class Converter:
+    """One family of weight files: the layout names it reads, ``detect(state_dict)``
+    (the layout the keys show, or None) and ``prepare(state_dict, layout)`` (the state
+    dict to write, checked strictly, and metadata such as the arch)."""
+
+    layouts: tuple[str, ...]
+    detect: Callable[[Mapping[str, Any]], str | None]
+    prepare: Callable[[Mapping[str, Any], str], tuple[dict, dict[str, str]]]
+
+
+def _prepare_resnet(state_dict: Mapping[str, Any], layout: str) -> tuple[dict, dict[str, str]]:
+    result, _ = resnet_state_dict(state_dict, layout)
+    return result, {"arch": infer_arch(result)}
+
+
+CONVERTERS: dict[str, Converter] = {
+    "resnet": Converter(RESNET_LAYOUTS, detect_resnet_layout, _prepare_resnet),
+}
+
+
+def layouts() -> list[str]:
+    """Every layout name ``--layout`` accepts."""
+    return [name for converter in CONVERTERS.values() for name in converter.layouts]
+
+
+def prepare(state_dict: Mapping[str, Any], layout: str | None = None):
+    """``(state dict to write, layout name, metadata)``: the named layout, or the first
+    one a converter detects; a ValueError naming the keys when none does."""
+    if layout is None:
+        for converter in CONVERTERS.values():
+            if (layout := converter.detect(state_dict)) is not None:
+                return _run(converter, state_dict, layout)
+        keys = sorted(state_dict)
+        more = len(keys) - MAX_KEYS_IN_MESSAGE
+        raise ValueError(
+            f"no converter recognises this state dict (layouts: {', '.join(layouts())}); "
+            f"name one with --layout. Its {len(keys)} keys are "
+            + ", ".join(keys[:MAX_KEYS_IN_MESSAGE])
+            + (f" ... and {more} more" if more > 0 else "")
+        )
+    for converter in CONVERTERS.values():
+        if layout in converter.layouts:
+            return _run(converter, state_dict, layout)
+    raise ValueError(f"unknown layout {layout!r}; expected one of {', '.join(layouts())}")
+
+
+def _run(converter: Converter, state_dict: Mapping[str, Any], layout: str):
+    result, metadata = converter.prepare(state_dict, layout)
+    return result, layout, metadata
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("source", help="torchvision checkpoint (.pth, .pt, .safetensors or .npz)")
+    parser.add_argument(
+        "source", help="weight file (.pth, .pt, .bin, .pth.tar, .safetensors or .npz)"
+    )
     parser.add_argument("target", help="output file, .safetensors or .npz")
+    parser.add_argument(
+        "--layout", choices=layouts(), default=None, help="the file's layout (default: detected)"
+    )
     args = parser.parse_args(argv)
     state_dict, source_sha256 = load_weights(args.source)
-    arch = infer_arch(state_dict)
-    convert_torchvision(state_dict, arch=arch)  # strict check: fails with the offending keys
+    result, layout, metadata = prepare(state_dict, args.layout)
+    how = "named" if args.layout else "detected"
     target_sha256 = save_weights(
-        state_dict,
+        result,
         args.target,
         metadata={
             "source_sha256": source_sha256,
             "source_name": os.path.basename(args.source),
-            "arch": arch,
+            "layout": layout,
+            **metadata,
         },
     )
-    print(f"{arch}: {len(state_dict)} arrays")
+    print(f"layout {layout} ({how})")
+    print(f"{metadata.get('arch', layout)}: {len(result)} arrays")
     print(f"source {args.source} sha256 {source_sha256}")
     print(f"target {args.target} sha256 {target_sha256}")
 

@@ -18,7 +18,9 @@ variables:
   ``{'params': ..., 'batch_stats': ...}`` strictly: a missing, unexpected or
   mis-shaped key is an error that names the keys. ``*.num_batches_tracked``
   entries (BatchNorm's step counters) carry no weights and are ignored. The
-  ``fc.*`` keys become the ``classifier`` of the ImageNet network.
+  ``fc.*`` keys become the ``classifier`` of the ImageNet network; a state dict
+  with neither ``fc.weight`` nor ``fc.bias`` (a backbone alone, as self-supervised
+  checkpoints are) converts to variables without a ``classifier``.
 * ``with_pretrained_backbone(variables, converted)`` puts converted weights into
   freshly initialised DomainBed variables: every backbone entry is replaced
   (strictly), the fresh classifier is kept, and the converted ``classifier`` (the
@@ -54,7 +56,9 @@ TORCH_INSTALL_HINT = (
     "`python -m sagm_jax.models.convert {path} weights.safetensors` and load the "
     ".safetensors file here; it needs no torch."
 )
-SUPPORTED_SUFFIXES = (".pth", ".pt", ".safetensors", ".npz")
+# torch.save files: .pth/.pt (torchvision), .bin (the Hugging Face hub's pytorch_model.bin),
+# .pth.tar (training checkpoints such as MoCo v3's, a dict holding the state_dict).
+SUPPORTED_SUFFIXES = (".pth", ".pt", ".bin", ".pth.tar", ".safetensors", ".npz")
 IGNORED_SUFFIX = ".num_batches_tracked"
 # How many key names an error message lists before it summarises the rest.
 MAX_KEYS_IN_MESSAGE = 20
@@ -166,14 +170,19 @@ def convert_torchvision(state_dict: Mapping[str, Any], arch: str | None = None) 
     ``np.asarray`` reads). ``arch`` defaults to the one the keys imply. The number
     of classes is read from ``fc.weight``. Strict: every key of torchvision's
     layout must be present with its exact shape and no other key may appear,
-    except ``*.num_batches_tracked``, which is ignored. Errors name the keys.
+    except ``*.num_batches_tracked``, which is ignored; the ``fc`` pair may be absent
+    together (a backbone alone: no ``classifier`` then). Errors name the keys.
     """
     arch = arch or infer_arch(state_dict)
     fc_weight = state_dict.get("fc.weight")
     num_classes = (
         int(np.shape(fc_weight)[0]) if fc_weight is not None and np.ndim(fc_weight) == 2 else 1000
     )
-    return convert_layout(state_dict, torchvision_layout(arch, num_classes), f"torchvision {arch}")
+    layout = torchvision_layout(arch, num_classes)
+    if "fc.weight" not in state_dict and "fc.bias" not in state_dict:  # a backbone alone
+        no_fc = [entry for entry in layout if not entry.torch_key.startswith("fc.")]
+        return convert_layout(state_dict, no_fc, f"torchvision {arch} without fc")
+    return convert_layout(state_dict, layout, f"torchvision {arch}")
 
 
 def convert_layout(
@@ -313,7 +322,8 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 # What each accepted extension holds, as the "not a weights file" message lists it.
 ACCEPTED_FORMATS = (
-    ".pth/.pt (torch.save: a zip archive, or a pickle before torch 1.6), .safetensors, "
+    ".pth/.pt/.bin/.pth.tar (torch.save: a zip archive, or a pickle before torch 1.6), "
+    ".safetensors, "
     ".npz (a NumPy zip archive)"
 )
 # A .safetensors header is a few KB for a ResNet; a larger length is not a header.
@@ -355,7 +365,7 @@ def weights_file_problem(path: str | os.PathLike) -> str | None:
     reads (its extension, its first bytes, a zip's directory or a .safetensors header
     against its size), or None. Cheap: reads the header, never the tensors."""
     path = os.fspath(path)
-    suffix = os.path.splitext(path)[1].lower()
+    suffix = weights_suffix(path)
     if suffix not in SUPPORTED_SUFFIXES:
         return f"its extension {suffix or '(none)'!r} is not one of {', '.join(SUPPORTED_SUFFIXES)}"
     size = os.path.getsize(path)
@@ -375,6 +385,16 @@ def weights_file_problem(path: str | os.PathLike) -> str | None:
     return _zip_problem(path, head, expected)
 
 
+def weights_suffix(path: str) -> str:
+    """The file's format suffix, lower case: the longest of ``SUPPORTED_SUFFIXES`` it ends
+    with (so ``.pth.tar``), else its last extension."""
+    lower = path.lower()
+    for suffix in sorted(SUPPORTED_SUFFIXES, key=len, reverse=True):
+        if lower.endswith(suffix):
+            return suffix
+    return os.path.splitext(lower)[1]
+
+
 def _load_pth(path: str) -> dict[str, np.ndarray]:
     try:
         import torch
@@ -384,6 +404,8 @@ def _load_pth(path: str) -> dict[str, np.ndarray]:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises many types for a corrupt or foreign file
         raise ValueError(f"{path}: torch.load cannot read it as a checkpoint ({error})") from error
+    if isinstance(loaded, Mapping) and isinstance(loaded.get("state_dict"), Mapping):
+        loaded = loaded["state_dict"]  # a training checkpoint (MoCo v3's .pth.tar): its weights
     if not isinstance(loaded, Mapping) or not all(
         isinstance(v, torch.Tensor) for v in loaded.values()
     ):
@@ -412,7 +434,9 @@ def _load_npz(path: str) -> dict[str, np.ndarray]:
 
 
 def load_weights(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], str]:
-    """Read a state dict from ``.pth``/``.pt`` (torch), ``.safetensors`` or ``.npz``.
+    """Read a state dict from ``.pth``/``.pt``/``.bin``/``.pth.tar`` (torch), ``.safetensors``
+    or ``.npz``. A torch file holding a training checkpoint (a dict with a ``state_dict``
+    entry, as MoCo v3's ``.pth.tar``) gives that entry's state dict.
 
     Returns the mapping from torchvision key names to NumPy arrays and the file's
     SHA-256 (hex), to record which weights a run started from.
@@ -420,10 +444,12 @@ def load_weights(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], str]:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"weights file not found: {path}")
-    suffix = os.path.splitext(path)[1].lower()
+    suffix = weights_suffix(path)
     readers: dict[str, Callable[[str], dict]] = {
         ".pth": _load_pth,
         ".pt": _load_pth,
+        ".bin": _load_pth,
+        ".pth.tar": _load_pth,
         ".safetensors": _load_safetensors,
         ".npz": _load_npz,
     }

@@ -93,9 +93,9 @@ def test_round_trip_and_sha256(tmp_path, resnet18_weights, suffix):
 def test_missing_file_and_unknown_format(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere.safetensors"):
         models.load_weights(tmp_path / "nowhere.safetensors")
-    other = tmp_path / "weights.bin"
+    other = tmp_path / "weights.ckpt"
     other.write_bytes(b"\0" * 16)
-    with pytest.raises(ValueError, match=r"weights\.bin.*unsupported weights format '\.bin'"):
+    with pytest.raises(ValueError, match=r"weights\.ckpt.*unsupported weights format '\.ckpt'"):
         models.load_weights(other)
 
 
