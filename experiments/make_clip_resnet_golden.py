@@ -52,8 +52,13 @@ from sagm_jax.models.synthetic import (
 )
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HOOKED = {"stem": "avgpool", "block1": "layer1", "block2": "layer2", "block3": "layer3",
-          "block4": "layer4"}
+HOOKED = {
+    "stem": "avgpool",
+    "block1": "layer1",
+    "block2": "layer2",
+    "block3": "layer3",
+    "block4": "layer4",
+}
 SMALL_BNS = ("bn1", "layer4.0.bn3")
 COUNTER = ".num_batches_tracked"
 
@@ -86,7 +91,9 @@ def rn50_outputs(golden: dict) -> None:
         feature = model(torch.from_numpy(images)).numpy()
     golden["rn50_fingerprint"] = np.array(weights_fingerprint(weights))
     golden["rn50_feature"] = feature.astype(np.float32)
-    print(f"RN50 feature {feature.shape}: std {feature.std():.3f}, max |.| {np.abs(feature).max():.3f}")
+    print(
+        f"RN50 feature {feature.shape}: std {feature.std():.3f}, max |.| {np.abs(feature).max():.3f}"
+    )
     for name, array in maps.items():
         golden[f"rn50_{name}_mean"] = array.mean(axis=(1, 2)).astype(np.float32)
         golden[f"rn50_{name}_norm"] = np.sqrt(
@@ -99,7 +106,10 @@ def rn50_outputs(golden: dict) -> None:
 def small_outputs(golden: dict) -> None:
     size = CLIP_RESNET_SMALL_SIZE
     model = ModifiedResNet(image_size=size, **CLIP_RESNET_SMALL).float()
-    layout_args = {"image_size": size, **{k: v for k, v in CLIP_RESNET_SMALL.items() if k != "heads"}}
+    layout_args = {
+        "image_size": size,
+        **{k: v for k, v in CLIP_RESNET_SMALL.items() if k != "heads"},
+    }
     weights = draw_clip_resnet_weights(CLIP_RESNET_SMALL_SEED, **layout_args)
     load(model, weights, layout_args, "reduced variant")
     images = torch.from_numpy(draw_images(CLIP_RESNET_IMAGE_SEED + size, GOLDEN_BATCH, size))
@@ -111,7 +121,9 @@ def small_outputs(golden: dict) -> None:
         golden[f"small_{bn}_running_mean"] = state[f"{bn}.running_mean"].numpy()
         golden[f"small_{bn}_running_var"] = state[f"{bn}.running_var"].numpy()
     golden["small_fingerprint"] = np.array(weights_fingerprint(weights))
-    print(f"reduced variant {size}x{size}: eval feature std {golden['small_eval_feature'].std():.3f}")
+    print(
+        f"reduced variant {size}x{size}: eval feature std {golden['small_eval_feature'].std():.3f}"
+    )
 
 
 def main() -> None:

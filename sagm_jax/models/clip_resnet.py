@@ -59,11 +59,11 @@ block's ``bn3`` scale 0, the positional embedding ~ N(0, 1 / D).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import flax.linen as nn
 
 from sagm_jax.models.resnet import (
     BATCHNORM_EPS,

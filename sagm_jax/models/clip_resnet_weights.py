@@ -34,12 +34,18 @@ linear weights [out, in] kernels [in, out]; BatchNorm ``weight``/``bias`` are ou
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from sagm_jax.models.clip_resnet import EXPANSION, FEATURE_DIM, LAYERS, WIDTH
-from sagm_jax.models.torchvision_weights import LayoutEntry, _bn_entries, _conv_entries, convert_layout
+from sagm_jax.models.torchvision_weights import (
+    LayoutEntry,
+    _bn_entries,
+    _conv_entries,
+    convert_layout,
+)
 
 VISUAL_PREFIX = "visual."
 STRIPPED_PREFIXES = ("module.",)
@@ -67,14 +73,22 @@ def clip_resnet_layout(
             convs = ((planes, in_ch, 1), (planes, planes, 3), (out_ch, planes, 1))
             for number, (conv_out, conv_in, k) in enumerate(convs, start=1):
                 entries += _conv_entries(
-                    f"{torch_block}.conv{number}", (flax_block, f"conv{number}"), conv_out, conv_in, k
+                    f"{torch_block}.conv{number}",
+                    (flax_block, f"conv{number}"),
+                    conv_out,
+                    conv_in,
+                    k,
                 )
-                entries += _bn_entries(f"{torch_block}.bn{number}", (flax_block, f"bn{number}"), conv_out)
+                entries += _bn_entries(
+                    f"{torch_block}.bn{number}", (flax_block, f"bn{number}"), conv_out
+                )
             if (stage > 1 and index == 0) or in_ch != out_ch:
                 entries += _conv_entries(
                     f"{torch_block}.downsample.0", (flax_block, "downsample_conv"), out_ch, in_ch, 1
                 )
-                entries += _bn_entries(f"{torch_block}.downsample.1", (flax_block, "downsample_bn"), out_ch)
+                entries += _bn_entries(
+                    f"{torch_block}.downsample.1", (flax_block, "downsample_bn"), out_ch
+                )
             in_ch = out_ch
     embed = width * 32
     entries.append(
@@ -86,10 +100,17 @@ def clip_resnet_layout(
             "vector",
         )
     )
-    for name, out in (("k_proj", embed), ("q_proj", embed), ("v_proj", embed), ("c_proj", output_dim)):
+    for name, out in (
+        ("k_proj", embed),
+        ("q_proj", embed),
+        ("v_proj", embed),
+        ("c_proj", output_dim),
+    ):
         path = ("attnpool", name)
         entries += [
-            LayoutEntry(f"attnpool.{name}.weight", (out, embed), "params", path + ("kernel",), "linear"),
+            LayoutEntry(
+                f"attnpool.{name}.weight", (out, embed), "params", path + ("kernel",), "linear"
+            ),
             LayoutEntry(f"attnpool.{name}.bias", (out,), "params", path + ("bias",), "vector"),
         ]
     return entries
@@ -102,12 +123,11 @@ def image_tower(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     stripped = {}
     for key, value in state_dict.items():
         for prefix in STRIPPED_PREFIXES:
-            if key.startswith(prefix):
-                key = key[len(prefix):]
+            key = key.removeprefix(prefix)
         stripped[key] = value
     if any(key.startswith(VISUAL_PREFIX) for key in stripped):
         return {
-            key[len(VISUAL_PREFIX):]: value
+            key[len(VISUAL_PREFIX) :]: value
             for key, value in stripped.items()
             if key.startswith(VISUAL_PREFIX)
         }
@@ -120,7 +140,12 @@ def detect_clip_resnet(state_dict: Mapping[str, Any]) -> bool:
     keys = image_tower(state_dict)
     return all(
         key in keys
-        for key in ("conv3.weight", "layer1.0.conv3.weight", POSITIONAL_KEY, "attnpool.c_proj.weight")
+        for key in (
+            "conv3.weight",
+            "layer1.0.conv3.weight",
+            POSITIONAL_KEY,
+            "attnpool.c_proj.weight",
+        )
     )
 
 
@@ -163,5 +188,7 @@ def convert_clip_resnet(
     tower = image_tower(state_dict)
     _check_grid(tower, image_size)
     layout = clip_resnet_layout(image_size, layers, width, output_dim)
-    description = f"CLIP ResNet image tower (layers {tuple(layers)}, width {width}, image_size {image_size})"
+    description = (
+        f"CLIP ResNet image tower (layers {tuple(layers)}, width {width}, image_size {image_size})"
+    )
     return convert_layout(tower, layout, description)

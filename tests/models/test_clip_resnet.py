@@ -7,6 +7,7 @@ No torch is needed here. Everything but the one RN50 forward at 224x224 runs on 
 reduced variant (one block per stage, width 8) at 64x64.
 """
 
+import functools
 import os
 
 import jax
@@ -24,12 +25,26 @@ from sagm_jax.models.clip_resnet_weights import (
 from sagm_jax.models.resnet import INTERMEDIATES
 from sagm_jax.models.synthetic import (
     CLIP_RESNET_IMAGE_SEED as IMAGE_SEED,
+)
+from sagm_jax.models.synthetic import (
     CLIP_RESNET_SIZE as SIZE,
+)
+from sagm_jax.models.synthetic import (
     CLIP_RESNET_SMALL as SMALL,
+)
+from sagm_jax.models.synthetic import (
     CLIP_RESNET_SMALL_SEED as SMALL_SEED,
+)
+from sagm_jax.models.synthetic import (
     CLIP_RESNET_SMALL_SIZE as SMALL_SIZE,
+)
+from sagm_jax.models.synthetic import (
     CLIP_RESNET_WEIGHT_SEED as WEIGHT_SEED,
+)
+from sagm_jax.models.synthetic import (
     GOLDEN_BATCH as BATCH,
+)
+from sagm_jax.models.synthetic import (
     draw_clip_resnet_weights,
     draw_images,
     draw_torchvision_weights,
@@ -66,6 +81,14 @@ def fresh_variables(model, size, channels=3):
         lambda: model.init(jax.random.key(0), jnp.zeros((1, size, size, channels)), train=False)
     )
     return jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "train", "features", "mutable"))
+def run(model, variables, images, train, features=False, mutable=False, rngs=None):
+    """``model.apply``, compiled once per model and mode (tests share the compilations)."""
+    return model.apply(
+        variables, images, train=train, features=features, mutable=mutable, rngs=rngs
+    )
 
 
 def small_model(**kwargs):
@@ -105,10 +128,14 @@ def test_rn50_feature_and_intermediates_match_open_clip(golden):
     for name in BLOCKS:
         (array,) = state[INTERMEDIATES][name]
         array = np.asarray(array, np.float64)
-        errors[f"{name} mean"] = relative_error(array.mean(axis=(1, 2)), golden[f"rn50_{name}_mean"])
+        errors[f"{name} mean"] = relative_error(
+            array.mean(axis=(1, 2)), golden[f"rn50_{name}_mean"]
+        )
         norm = np.sqrt((array**2).sum(axis=(1, 2, 3)))
         errors[f"{name} norm"] = relative_error(norm, golden[f"rn50_{name}_norm"])
-        errors[f"{name} slice"] = relative_error(array[:, :4, :4, :16], golden[f"rn50_{name}_slice"])
+        errors[f"{name} slice"] = relative_error(
+            array[:, :4, :4, :16], golden[f"rn50_{name}_slice"]
+        )
     print("RN50 224x224, max relative error:", {k: f"{v:.1e}" for k, v in errors.items()})
     assert max(errors.values()) < TOLERANCE, errors
 
@@ -119,9 +146,9 @@ def test_reduced_variant_eval_and_trainable_batchnorm_match_open_clip(golden, sm
     variables = small_variables(small_weights, model)
     images = small_images()
     with jax.default_matmul_precision("float32"):
-        evaluated = model.apply(variables, images, train=False, features=True)[0]
-        (trained, _), state = model.apply(
-            variables, images, train=True, features=True, mutable=["batch_stats"]
+        evaluated = run(model, variables, images, train=False, features=True)[0]
+        (trained, _), state = run(
+            model, variables, images, train=True, features=True, mutable=("batch_stats",)
         )
     assert relative_error(evaluated, golden["small_eval_feature"]) < TOLERANCE
     assert relative_error(trained, golden["small_train_feature"]) < TOLERANCE
@@ -145,13 +172,13 @@ def test_frozen_batchnorm_uses_and_keeps_running_statistics(small_weights):
     model = small_model()  # freeze_batchnorm=True
     variables = small_variables(small_weights, model)
     images = small_images()
-    evaluated = model.apply(variables, images, train=False)
-    trained, state = model.apply(variables, images, train=True, mutable=["batch_stats"])
+    evaluated = run(model, variables, images, train=False)
+    trained, state = run(model, variables, images, train=True, mutable=("batch_stats",))
     np.testing.assert_allclose(trained, evaluated, rtol=1e-6, atol=1e-6)
     same = jax.tree_util.tree_map(np.array_equal, state["batch_stats"], variables["batch_stats"])
     assert all(jax.tree_util.tree_leaves(same))
     trainable = small_model(freeze_batchnorm=False)
-    batch_stat_logits, _ = trainable.apply(variables, images, train=True, mutable=["batch_stats"])
+    batch_stat_logits, _ = run(trainable, variables, images, train=True, mutable=("batch_stats",))
     assert np.abs(np.asarray(batch_stat_logits) - np.asarray(evaluated)).max() > 1e-3
 
 
@@ -166,7 +193,7 @@ def test_gradient_flows_to_every_part(small_weights):
         )
         return -jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1).mean()
 
-    grads = jax.grad(loss)(variables["params"])
+    grads = jax.jit(jax.grad(loss))(variables["params"])
     for path in (
         ("conv1", "kernel"),
         ("layer1_0", "downsample_conv", "kernel"),
@@ -185,7 +212,7 @@ def test_gradient_flows_to_every_part(small_weights):
 
 def test_sown_intermediates_names_and_shapes(small_weights):
     variables = small_variables(small_weights)
-    _, state = small_model().apply(variables, small_images(), train=False, mutable=[INTERMEDIATES])
+    _, state = run(small_model(), variables, small_images(), train=False, mutable=(INTERMEDIATES,))
     width, side = SMALL["width"], SMALL_SIZE // 4
     expected = {
         "stem": (BATCH, side, side, width),
@@ -202,9 +229,9 @@ def test_dropout_on_the_feature_in_training_only(small_weights):
     model = small_model(dropout_rate=0.5)
     variables = small_variables(small_weights, model)
     images = small_images()
-    feature, _ = model.apply(variables, images, train=False, features=True)
-    dropped, _ = model.apply(
-        variables, images, train=True, features=True, rngs={"dropout": jax.random.key(3)}
+    feature, _ = run(model, variables, images, train=False, features=True)
+    dropped, _ = run(
+        model, variables, images, train=True, features=True, rngs={"dropout": jax.random.key(3)}
     )
     dropped, feature = np.asarray(dropped), np.asarray(feature)
     kept = dropped != 0
@@ -215,8 +242,8 @@ def test_dropout_on_the_feature_in_training_only(small_weights):
 def test_bfloat16_forward(small_weights):
     variables = small_variables(small_weights)
     cast = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.bfloat16), variables)
-    logits = small_model().apply(cast, jnp.asarray(small_images(), jnp.bfloat16), train=False)
-    reference = small_model().apply(variables, small_images(), train=False)
+    logits = run(small_model(), cast, jnp.asarray(small_images(), jnp.bfloat16), train=False)
+    reference = run(small_model(), variables, small_images(), train=False)
     assert logits.dtype == jnp.bfloat16 and np.isfinite(np.asarray(logits, np.float32)).all()
     assert relative_error(np.asarray(logits, np.float32), reference) < 0.1
 
@@ -256,7 +283,7 @@ def test_four_channel_network_takes_the_stem_channel_modulo_three(small_weights)
     variables = small_variables(small_weights, model, channels=4)
     kernel = np.asarray(variables["params"]["conv1"]["kernel"])
     np.testing.assert_array_equal(kernel[:, :, 3], kernel[:, :, 0])
-    logits = model.apply(variables, small_images(channels=4), train=False)
+    logits = run(model, variables, small_images(channels=4), train=False)
     assert logits.shape == (BATCH, 5) and np.isfinite(np.asarray(logits)).all()
 
 
@@ -272,13 +299,19 @@ def test_conversion_is_strict_and_names_the_keys(small_weights):
     with pytest.raises(ValueError, match=r"unexpected keys \(1\): proj"):
         convert_small({**small_weights, "proj": np.zeros((2, 2))})
     misshaped = {**small_weights, "attnpool.q_proj.weight": np.zeros((256, 255), np.float32)}
-    with pytest.raises(ValueError, match=r"attnpool\.q_proj\.weight has shape \(256, 255\), "
-                                         r"expected \(256, 256\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"attnpool\.q_proj\.weight has shape \(256, 255\), "
+        r"expected \(256, 256\)",
+    ):
         convert_small(misshaped)
     counters = {**small_weights, "bn1.num_batches_tracked": np.array(3)}
     assert convert_small(counters).keys() == {"params", "batch_stats"}
-    with pytest.raises(ValueError, match=r"positional_embedding has 5 rows \(a 2x2 grid \+ 1, "
-                                         r"images of 64x64\); image_size=224 needs 50 rows"):
+    with pytest.raises(
+        ValueError,
+        match=r"positional_embedding has 5 rows \(a 2x2 grid \+ 1, "
+        r"images of 64x64\); image_size=224 needs 50 rows",
+    ):
         convert_small(small_weights, image_size=224)
 
 
@@ -293,7 +326,8 @@ def test_conversion_layout_and_transposes(small_weights):
         params["attnpool"]["c_proj"]["kernel"], small_weights["attnpool.c_proj.weight"].T
     )
     np.testing.assert_array_equal(
-        stats["layer3_0"]["downsample_bn"]["var"], small_weights["layer3.0.downsample.1.running_var"]
+        stats["layer3_0"]["downsample_bn"]["var"],
+        small_weights["layer3.0.downsample.1.running_var"],
     )
     assert "classifier" not in params
     entries = clip_resnet_layout(SMALL_SIZE, **SMALL_ARCH)
