@@ -35,6 +35,7 @@ import ml_collections
 from sagm_jax import config as config_lib
 from sagm_jax import models
 from sagm_jax.formatting import flag_value
+from sagm_jax.models.backbones import BACKBONES
 from sagm_jax.training.rundir import CHECKPOINTS, find_runs
 
 PROGRAM = "python -m sagm_jax.main"
@@ -514,7 +515,8 @@ def _example(config, workdir: str, argv: Sequence[str], device_count) -> list[st
     # config file's stand.
     if any(p.startswith("config.test_envs=") for p in data + config_lib.method_problems(config)):
         invalid.add("test_envs")
-    if config.arch not in models.WEIGHTS_FILES and config_lib.weights_problem(config):
+    takes_none = getattr(BACKBONES.get(config.arch), "weights_file", None) is None
+    if takes_none and config_lib.weights_problem(config):
         invalid.add("pretrained_weights")  # weights given to a network that takes none
     drop_workdir = _workdir_problem(workdir) is not None
     example, overridden, words = [], set(), iter(argv[1:])
@@ -535,7 +537,7 @@ def _example(config, workdir: str, argv: Sequence[str], device_count) -> list[st
     if data and not config.data_dir:
         example.append("--config.data_dir=DATA_DIR")
     if not config.pretrained_weights and config_lib.weights_problem(config):
-        example.append(f"--config.pretrained_weights={models.WEIGHTS_FILES[config.arch]}")
+        example.append(f"--config.pretrained_weights={BACKBONES[config.arch].weights_file}")
     return example
 
 

@@ -147,7 +147,7 @@ BAD_VALUES = [
     ("mixstyle_after", (1, 1), "distinct ResNet stages"),
     ("mixstyle_after", ([1],), "distinct ResNet stages"),
     ("dataset", "Nope", "one of PACS, VLCS"),
-    ("arch", "vgg16", "one of resnet18, resnet50, mnist_cnn"),
+    ("arch", "vgg16", "one of resnet18, resnet50, resnet50_augmix,"),
     ("algorithm", "adamw", "one of erm, sam, gsam, sagm, erm_sam"),
     ("combine", "avg", "one of mean, sum"),
     ("perturbation", "local", "one of global, per_device"),

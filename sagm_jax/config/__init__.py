@@ -25,9 +25,10 @@ import ml_collections
 
 from sagm_jax.data.registry import DATASETS
 from sagm_jax.formatting import flag_value
-from sagm_jax.models import ARCHS, WEIGHTS_FILES, weights_url
+from sagm_jax.models import ARCHS
+from sagm_jax.models.backbones import BACKBONES
 from sagm_jax.models.mixstyle import MIXES as MIXSTYLE_MIXES
-from sagm_jax.models.resnet import ARCHITECTURES as RESNET_ARCHS, MIXSTYLE_STAGES
+from sagm_jax.models.resnet import MIXSTYLE_STAGES
 from sagm_jax.models.torchvision_weights import ACCEPTED_FORMATS, weights_file_problem
 from sagm_jax.methods.registry import OBJECTIVES, UPDATE_RULES, owners
 from sagm_jax.methods.registry import hyperparameters as method_hyperparameters
@@ -478,19 +479,21 @@ def weights_problem(config: ml_collections.ConfigDict, check_file: bool = False)
     arch, weights = config.get("arch"), config.get("pretrained_weights")
     if not isinstance(weights, str) or weights.lower() == "none":
         return None
-    if arch not in WEIGHTS_FILES:
+    backbone = BACKBONES.get(arch)
+    if backbone is None:
+        return None  # the arch's own check names it
+    if backbone.weights_file is None:
+        takes = ", ".join(name for name, b in BACKBONES.items() if b.weights_file)
         return (
             f"--config.pretrained_weights={weights}: config.arch={arch} takes no weights "
-            f"(torchvision's ImageNet weights fit {', '.join(WEIGHTS_FILES)}); leave it empty."
-            if weights and arch in ARCHS
-            else None
+            f"(pretrained weights fit {takes}); leave it empty." if weights else None
         )
     get = (
-        f"The paper starts from torchvision's ImageNet {arch}: download {weights_url(arch)} "
+        f"config.arch={arch} starts from {backbone.source}: download {backbone.weights_url} "
         "(reading a .pth needs torch, a CPU build; or convert it once with "
-        f"`python -m sagm_jax.models.convert {WEIGHTS_FILES[arch]} {arch}.safetensors` and "
-        "pass that file; README 'ImageNet weights'). --config.pretrained_weights=none trains "
-        "from scratch (not the paper's setting)."
+        f"`python -m sagm_jax.models.convert {backbone.weights_file} {arch}.safetensors "
+        f"--arch {arch}` and pass that file; README 'ImageNet weights'). "
+        "--config.pretrained_weights=none trains from scratch (not the published setting)."
     )
     if not weights:
         return f"--config.pretrained_weights=FILE is missing. {get}"
@@ -511,7 +514,8 @@ def config_warnings(config: ml_collections.ConfigDict) -> list[str]:
     warnings = []
     weights = config.get("pretrained_weights")
     scratch = isinstance(weights, str) and weights.lower() == "none"
-    if config.get("arch") in RESNET_ARCHS and scratch and config.get("freeze_batchnorm") is True:
+    batchnorm = getattr(BACKBONES.get(config.get("arch")), "batchnorm", False)
+    if batchnorm and scratch and config.get("freeze_batchnorm") is True:
         warnings.append(
             f"config.pretrained_weights={weights} with config.freeze_batchnorm=True: "
             f"the {config.arch}'s BatchNorm keeps its initial statistics (mean 0, variance 1) "

@@ -23,7 +23,7 @@ from sagm_jax.methods.registry import (  # noqa: F401  (the generic checks: the 
     rule_names,
 )
 from sagm_jax.models.mnist_cnn import CONV_LAYERS, GROUPNORM_GROUPS
-from sagm_jax.models.resnet import ARCHITECTURES as RESNET_ARCHS
+from sagm_jax.models.backbones import BACKBONES
 from sagm_jax.models.resnet import MIXSTYLE_STAGES
 
 # A field's check: (value, config, device_count) -> None, or what was expected.
@@ -114,10 +114,13 @@ RESNET_STRIDE = 32
 def image_size(value, config, device_count):
     if not is_int(value) or value < 1:
         return "a positive integer"
-    if config.get("arch") in RESNET_ARCHS and value < RESNET_STRIDE:
+    backbone = BACKBONES.get(config.get("arch"))
+    if backbone is not None and value < backbone.min_image_size:
+        what = ("cuts its input into patches of that size" if not backbone.feature_maps
+                else "downsamples its input that many times")
         return (
-            f"an integer >= {RESNET_STRIDE} (config.arch={config.arch} downsamples its input "
-            f"{RESNET_STRIDE} times; the paper uses 224)"
+            f"an integer >= {backbone.min_image_size} (config.arch={config.arch} {what}; "
+            "the paper uses 224)"
         )
 
 

@@ -14,6 +14,7 @@ from typing import Iterable
 import ml_collections
 
 from sagm_jax.config import checks
+from sagm_jax.models.backbones import BACKBONES
 from sagm_jax.data.registry import DATASETS
 from sagm_jax.formatting import flag_value
 from sagm_jax.methods.procedures import mldg_split_problem
@@ -96,8 +97,14 @@ def mixstyle_network_problems(config: ml_collections.ConfigDict) -> list[str]:
     offline default's MNIST CNN the fix is a ResNet-18 from scratch (no ImageNet weights
     to download), its BatchNorm trained (the procedures keep theirs frozen), on inputs of
     at least ``checks.RESNET_STRIDE`` pixels (docs/methods.md, "MixStyle offline")."""
-    if not (config.get("mixstyle") is True and config.get("arch") == "mnist_cnn"):
+    if config.get("mixstyle") is not True or config.get("arch") not in BACKBONES:
         return []
+    if config.get("arch") != "mnist_cnn":
+        if BACKBONES[config.get("arch")].mixstyle:
+            return []
+        resnets = ", ".join(name for name, b in BACKBONES.items() if b.mixstyle)
+        return [f"config.mixstyle=True: MixStyle sits between the stages of the ResNets "
+                f"({resnets}); config.arch={config.get('arch')} has none."]
     fix = "--config.arch=resnet18 --config.pretrained_weights=none"
     if config.get("algorithm") not in rule_names("procedure"):
         fix += " --config.freeze_batchnorm=False"

@@ -268,17 +268,18 @@ def wrap(model, network: MethodNetwork | None, hp: dict):
 
 
 def from_config(config, num_classes: int, input_shape, num_domains: int, key,
-                pretrained: bool = True):
+                pretrained: bool = True, imagenet_inputs: bool = False):
     """The run's network with its method's modules: ``(model, variables, weights_info)``
     as ``sagm_jax.models.from_config`` returns them, the network built for the method's
     extra input channels, the method's variables (from ``fold_in(key, 1)``) added under
     ``OWN`` and the model wrapped for the method's prediction. Training and ``load_run``
-    both build the run's network here."""
+    both build the run's network here; ``imagenet_inputs`` as ``models.from_config``."""
     from sagm_jax import models
 
     network, hp = method_network(config)
     shape = input_shape_for(network, input_shape)
-    model, variables, weights = models.from_config(config, num_classes, shape, key, pretrained)
+    model, variables, weights = models.from_config(config, num_classes, shape, key, pretrained,
+                                                   imagenet_inputs)
     if network is not None and network.init is not None:
         features, _ = jax.eval_shape(
             lambda v: model.apply(v, jnp.zeros((1, *shape)), train=False, features=True),

@@ -63,6 +63,7 @@ def _model(config, info):
     return networks.from_config(
         config, info["num_classes"], info["input_shape"], len(info["train_envs"]),
         jax.random.key(0), pretrained=False,
+        imagenet_inputs=registry.get_spec(info["dataset"]).kind == "folder",
     )[0]
 
 

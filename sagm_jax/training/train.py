@@ -198,7 +198,8 @@ def open_run(config, mesh=None) -> tuple[Program, dict]:
     mesh = mesh or _mesh(config, train_envs)
     init_key = jax.random.split(jax.random.key(config.seed))[0]
     model, variables, weights = networks.from_config(
-        config, dataset.num_classes, dataset.input_shape, len(train_envs), init_key
+        config, dataset.num_classes, dataset.input_shape, len(train_envs), init_key,
+        imagenet_inputs=data_lib.get_spec(config.dataset).kind == "folder",
     )
     run_info = {
         "weights": weights,
