@@ -160,7 +160,14 @@ def test_barlowtwins_without_fc_goes_into_a_domainbed_network(resnet18_weights):
     converted, layout = convert_resnet(_barlowtwins(resnet18_weights))
     assert layout == "barlowtwins" and "classifier" not in converted["params"]
     model = models.create("resnet18", num_classes=7)
-    fresh = model.init(jax.random.PRNGKey(0), np.zeros((1, 32, 32, 3), np.float32), train=False)
+    # The fresh variables' structure (eval_shape: no slow random initialisation), with a
+    # recognisable classifier.
+    shapes = jax.eval_shape(
+        lambda key, x: model.init(key, x, train=False),
+        jax.random.PRNGKey(0),
+        np.zeros((1, 32, 32, 3), np.float32),
+    )
+    fresh = jax.tree.map(lambda leaf: np.full(leaf.shape, 0.25, leaf.dtype), shapes)
     merged = with_pretrained_backbone(fresh, converted)
     np.testing.assert_array_equal(
         merged["params"]["layer3_1"]["conv2"]["kernel"],
@@ -172,7 +179,9 @@ def test_barlowtwins_without_fc_goes_into_a_domainbed_network(resnet18_weights):
     np.testing.assert_array_equal(  # the fresh classifier is kept
         merged["params"]["classifier"]["kernel"], fresh["params"]["classifier"]["kernel"]
     )
-    logits = model.apply(merged, np.ones((2, 32, 32, 3), np.float32), train=False)
+    logits = jax.jit(lambda v, x: model.apply(v, x, train=False))(
+        merged, np.ones((2, 32, 32, 3), np.float32)
+    )
     assert logits.shape == (2, 7) and np.all(np.isfinite(logits))
 
 
