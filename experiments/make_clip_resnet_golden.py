@@ -21,7 +21,9 @@ float32 forwards on ``draw_images``:
   per-example L2 norm [2] and a corner slice ``[:, :4, :4, :16]``, all NHWC;
 * the reduced variant at 64x64, batch 2: the eval-mode feature, the train-mode feature
   (batch statistics) and the running statistics of ``bn1`` and ``layer4.0.bn3`` after
-  that one train-mode forward (torch's momentum 0.1, unbiased variance).
+  that one train-mode forward (torch's momentum 0.1, unbiased variance);
+* the reduced variant at ``CLIP_RESNET_ODD_SIZE`` (100x100: maps of odd size, whose
+  average pools drop a row and a column), eval mode: the feature.
 
 The test then needs no torch.
 """
@@ -40,6 +42,7 @@ from open_clip.modified_resnet import ModifiedResNet
 from sagm_jax.models.clip_resnet_weights import clip_resnet_layout
 from sagm_jax.models.synthetic import (
     CLIP_RESNET_IMAGE_SEED,
+    CLIP_RESNET_ODD_SIZE,
     CLIP_RESNET_SIZE,
     CLIP_RESNET_SMALL,
     CLIP_RESNET_SMALL_SEED,
@@ -124,6 +127,16 @@ def small_outputs(golden: dict) -> None:
     print(
         f"reduced variant {size}x{size}: eval feature std {golden['small_eval_feature'].std():.3f}"
     )
+    size = CLIP_RESNET_ODD_SIZE
+    model = ModifiedResNet(image_size=size, **CLIP_RESNET_SMALL).float().eval()
+    layout_args["image_size"] = size
+    weights = draw_clip_resnet_weights(CLIP_RESNET_SMALL_SEED, **layout_args)
+    load(model, weights, layout_args, f"reduced variant at {size}")
+    images = torch.from_numpy(draw_images(CLIP_RESNET_IMAGE_SEED + size, GOLDEN_BATCH, size))
+    with torch.no_grad():
+        golden["odd_feature"] = model(images).numpy()
+    golden["odd_fingerprint"] = np.array(weights_fingerprint(weights))
+    print(f"reduced variant {size}x{size}: feature std {golden['odd_feature'].std():.3f}")
 
 
 def main() -> None:
