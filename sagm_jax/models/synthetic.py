@@ -91,6 +91,8 @@ CLIP_RESNET_SIZE = 224
 CLIP_RESNET_SMALL = {"layers": (1, 1, 1, 1), "width": 8, "heads": 4, "output_dim": 32}
 CLIP_RESNET_SMALL_SIZE = 64
 CLIP_RESNET_SMALL_SEED = 1064
+# Not a multiple of 32: maps of odd size (25 -> 12) meet the floor of the average pools.
+CLIP_RESNET_ODD_SIZE = 100
 
 
 def draw_clip_resnet_weights(
