@@ -64,7 +64,8 @@ stem's output, ``"block1"`` .. ``"block4"`` the outputs of torchvision's
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -108,7 +109,11 @@ def make_divisible(value: float, divisor: int) -> int:
 
 
 def regnet_block_params(
-    depth: int, w_0: int, w_a: float, w_m: float, group_width: int,
+    depth: int,
+    w_0: int,
+    w_a: float,
+    w_m: float,
+    group_width: int,
     bottleneck_multiplier: float = 1.0,
 ) -> BlockParams:
     """torchvision's ``BlockParams.from_init_params``, in float32 as torch computes it."""
@@ -138,7 +143,7 @@ REGNET_Y_16GF = regnet_block_params(depth=18, w_0=200, w_a=106.23, w_m=2.48, gro
 
 def squeeze_width(width_in: int, se_ratio: float) -> int:
     """The SE layer's squeeze width: ``round(se_ratio * width_in)`` of the block's input."""
-    return int(round(se_ratio * width_in))
+    return round(se_ratio * width_in)
 
 
 class GroupedConv(nn.Module):
@@ -151,12 +156,13 @@ class GroupedConv(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        w = self.param(
-            "kernel", conv_init, (3, 3, x.shape[-1] // self.groups, self.features)
-        )
+        w = self.param("kernel", conv_init, (3, 3, x.shape[-1] // self.groups, self.features))
         x, w = promote_dtype(x, w, dtype=None)
         return jax.lax.conv_general_dilated(
-            x, w, (self.stride, self.stride), ((1, 1), (1, 1)),
+            x,
+            w,
+            (self.stride, self.stride),
+            ((1, 1), (1, 1)),
             dimension_numbers=("NHWC", "HWIO", "NHWC"),
             feature_group_count=self.groups,
         )
@@ -178,8 +184,12 @@ class SqueezeExcitation(nn.Module):
     @staticmethod
     def _fc(features: int, name: str) -> nn.Conv:
         return nn.Conv(
-            features, (1, 1), padding="VALID", kernel_init=conv_init,
-            bias_init=nn.initializers.zeros, name=name,
+            features,
+            (1, 1),
+            padding="VALID",
+            kernel_init=conv_init,
+            bias_init=nn.initializers.zeros,
+            name=name,
         )
 
 
@@ -197,8 +207,8 @@ class ResBottleneckBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        bn = lambda name: batchnorm(self.use_running_average, name)  # noqa: E731
-        w_b = int(round(self.width * self.bottleneck_multiplier))
+        bn = lambda name: batchnorm(self.use_running_average, name)
+        w_b = round(self.width * self.bottleneck_multiplier)
         y = nn.relu(bn("a_bn")(conv(w_b, 1, 1, "a_conv")(x)))
         y = GroupedConv(w_b, self.stride, w_b // self.group_width, name="b_conv")(y)
         y = nn.relu(bn("b_bn")(y))

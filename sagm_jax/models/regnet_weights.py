@@ -34,7 +34,8 @@ out] (the SE layers' 1x1 convs alike), the classifier [out, in] a kernel [in, ou
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -58,8 +59,12 @@ def _conv(torch_key: str, path: tuple[str, ...], shape: tuple[int, ...]) -> list
 
 
 def _bn(torch_module: str, path: tuple[str, ...], channels: int) -> list[LayoutEntry]:
-    names = (("weight", "params", "scale"), ("bias", "params", "bias"),
-             ("running_mean", "batch_stats", "mean"), ("running_var", "batch_stats", "var"))
+    names = (
+        ("weight", "params", "scale"),
+        ("bias", "params", "bias"),
+        ("running_mean", "batch_stats", "mean"),
+        ("running_var", "batch_stats", "var"),
+    )
     return [
         LayoutEntry(f"{torch_module}.{key}", (channels,), collection, path + (name,), "vector")
         for key, collection, name in names
@@ -67,17 +72,24 @@ def _bn(torch_module: str, path: tuple[str, ...], channels: int) -> list[LayoutE
 
 
 def _block_entries(
-    stage: int, index: int, width_in: int, width: int, group_width: int,
-    multiplier: float, se_ratio: float,
+    stage: int,
+    index: int,
+    width_in: int,
+    width: int,
+    group_width: int,
+    multiplier: float,
+    se_ratio: float,
 ) -> list[LayoutEntry]:
     """One ``ResBottleneckBlock``'s entries, in torchvision's order."""
     torch_block = f"trunk_output.block{stage}.block{stage}-{index}"
     ours = (f"block{stage}_{index}",)
     stride = 2 if index == 0 else 1
-    w_b = int(round(width * multiplier))
+    w_b = round(width * multiplier)
     entries = []
     if width_in != width or stride != 1:
-        entries += _conv(f"{torch_block}.proj.0.weight", ours + ("proj_conv",), (width, width_in, 1, 1))
+        entries += _conv(
+            f"{torch_block}.proj.0.weight", ours + ("proj_conv",), (width, width_in, 1, 1)
+        )
         entries += _bn(f"{torch_block}.proj.1", ours + ("proj_bn",), width)
     entries += _conv(f"{torch_block}.f.a.0.weight", ours + ("a_conv",), (w_b, width_in, 1, 1))
     entries += _bn(f"{torch_block}.f.a.1", ours + ("a_bn",), w_b)
@@ -88,7 +100,9 @@ def _block_entries(
         for fc, shape in (("fc1", (squeeze, w_b)), ("fc2", (w_b, squeeze))):
             key, path = f"{torch_block}.f.se.{fc}", ours + ("se", fc)
             entries += _conv(f"{key}.weight", path, shape + (1, 1))
-            entries.append(LayoutEntry(f"{key}.bias", shape[:1], "params", path + ("bias",), "vector"))
+            entries.append(
+                LayoutEntry(f"{key}.bias", shape[:1], "params", path + ("bias",), "vector")
+            )
     entries += _conv(f"{torch_block}.f.c.0.weight", ours + ("c_conv",), (width, w_b, 1, 1))
     entries += _bn(f"{torch_block}.f.c.1", ours + ("c_bn",), width)
     return entries
@@ -111,11 +125,15 @@ def regnet_layout(
     for stage, (depth, width, group_width, multiplier) in enumerate(stages, start=1):
         for index in range(depth):
             block_in = width_in if index == 0 else width
-            entries += _block_entries(stage, index, block_in, width, group_width, multiplier, se_ratio)
+            entries += _block_entries(
+                stage, index, block_in, width, group_width, multiplier, se_ratio
+            )
         width_in = width
     if num_classes is not None:
         entries += [
-            LayoutEntry("fc.weight", (num_classes, width_in), "params", ("classifier", "kernel"), "linear"),
+            LayoutEntry(
+                "fc.weight", (num_classes, width_in), "params", ("classifier", "kernel"), "linear"
+            ),
             LayoutEntry("fc.bias", (num_classes,), "params", ("classifier", "bias"), "vector"),
         ]
     return entries
@@ -141,7 +159,7 @@ def swag_key(torch_key: str) -> str:
     for old, new in _SWAG_RENAMES:
         if old.startswith("stem."):
             if torch_key.startswith(old):
-                return new + torch_key[len(old):]
+                return new + torch_key[len(old) :]
         elif old in torch_key:
             return torch_key.replace(old, new)
     return torch_key
@@ -151,7 +169,7 @@ def strip_prefix(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """``state_dict`` without a ``module.`` prefix that all of its keys carry."""
     for prefix in PREFIXES:
         if state_dict and all(key.startswith(prefix) for key in state_dict):
-            return {key[len(prefix):]: value for key, value in state_dict.items()}
+            return {key[len(prefix) :]: value for key, value in state_dict.items()}
     return dict(state_dict)
 
 

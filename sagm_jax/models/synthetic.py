@@ -132,6 +132,62 @@ def draw_clip_resnet_weights(
     return weights
 
 
+# --- RegNetY-16GF (sagm_jax.models.regnet) --------------------------------------------
+# The golden file's configuration (experiments/make_regnet_golden.py and
+# tests/models/test_regnet.py): RegNetY-16GF at 224x224, batch 2; a reduced RegNetY
+# (stem 8, stages of depth 1, 2, 1, 1, widths 16 .. 64, group widths 8 and 16) at
+# 36x36 (maps 18, 9, 5, 3, 2: odd sizes meet the stride-2 padding) in eval and in
+# train mode (batch statistics).
+REGNET_GOLDEN_WEIGHT_SEED = 1616
+REGNET_GOLDEN_IMAGE_SEED = 224
+REGNET_GOLDEN_SIZE = 224
+REGNET_GOLDEN_BATCH = 2
+REGNET_SMALL_WEIGHT_SEED = 36
+REGNET_SMALL_IMAGE_SEED = 37
+REGNET_SMALL_SIZE = 36
+REGNET_SMALL_STEM = 8
+REGNET_SMALL_CLASSES = 5
+# (depths, widths, group widths, bottleneck multipliers), as regnet.BlockParams
+REGNET_SMALL_PARAMS = ((1, 2, 1, 1), (16, 24, 48, 64), (8, 8, 16, 16), (1.0, 1.0, 1.0, 1.0))
+
+
+def draw_regnet_weights(
+    seed: int, num_classes: int = 1000, params=None, stem_width: int | None = None
+) -> dict[str, np.ndarray]:
+    """A torchvision ``RegNet.state_dict()`` (without counters), in its key order:
+    RegNetY-16GF's unless ``params`` (a ``regnet.BlockParams`` or its 4-tuple) and
+    ``stem_width`` are given.
+
+    Conv weights (the grouped 3x3 and the SE layers' 1x1 convs included) ~ N(0, 2 /
+    fan_in) with fan_in = in / groups * kh * kw; BatchNorm scale ~ U(0.5, 1.5), except
+    the branch's last BN (``f.c.1``), U(0.1, 0.4), so the residual sums stay O(1);
+    BN bias, running mean and the SE and classifier biases ~ N(0, 0.1^2); running
+    variance ~ U(0.5, 2); classifier weight ~ N(0, 1 / fan_in). float32.
+    """
+    from sagm_jax.models.regnet import REGNET_Y_16GF, STEM_WIDTH, BlockParams
+    from sagm_jax.models.regnet_weights import regnet_layout
+
+    params = REGNET_Y_16GF if params is None else BlockParams(*params)
+    layout = regnet_layout(num_classes, params, stem_width=stem_width or STEM_WIDTH)
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for entry in layout:
+        key, shape = entry.torch_key, entry.shape
+        if entry.kind == "conv":
+            array = rng.standard_normal(shape) * np.sqrt(2.0 / np.prod(shape[1:]))
+        elif entry.kind == "linear":
+            array = rng.standard_normal(shape) * np.sqrt(1.0 / shape[1])
+        elif key.endswith(".weight"):  # BatchNorm scale
+            low, high = (0.1, 0.4) if ".f.c.1." in key else (0.5, 1.5)
+            array = rng.uniform(low, high, shape)
+        elif key.endswith(".running_var"):
+            array = rng.uniform(0.5, 2.0, shape)
+        else:  # BatchNorm bias, running mean, SE and classifier biases
+            array = rng.standard_normal(shape) * 0.1
+        weights[key] = array.astype(np.float32)
+    return weights
+
+
 # --- CLIP ViT-B/16 and DINOv2 ViT-B/14 (sagm_jax.models.vit) ----------------------------
 # The golden file's configuration (experiments/make_vit_golden.py and
 # tests/models/test_vit.py): each network at 224x224, batch 2; DINOv2's position-table
