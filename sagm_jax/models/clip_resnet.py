@@ -103,7 +103,7 @@ def avg_pool(x: jax.Array, size: int) -> jax.Array:
 
 def grid_size(image_size: int) -> int:
     """The side of the final map for images of ``image_size``: the stride-2 stem conv
-    (ceil), then five 2x2 average pools (floor), the stem's and stages 2-4's."""
+    (ceil), then four 2x2 average pools (floor): the stem's and stages 2-4's."""
     side = (image_size + 1) // 2
     for _ in range(4):
         side //= 2
