@@ -621,3 +621,51 @@ def test_the_sweeps_searches_give_no_method_a_setting_of_another():
         for grid in (jobs.REDUCED_RESNET, jobs.REDUCED_MNIST, jobs.SWAD_GRID):
             for point in jobs.grid_points(grid, algorithm, objective):
                 assert unused_setting_problems(config, point) == [], (objective, algorithm)
+
+
+@pytest.mark.parametrize(
+    "dataset_file, preset, expected",
+    [
+        # khanrc/miro README, "Our searched HPs" (VLCS column).
+        ("vlcs", "miro", dict(objective="miro", lr=1e-5, dropout=0.5, weight_decay=1e-6,
+                              miro_ld=0.01)),
+        # The README's "Pushing the limits" PACS and DomainNet commands (defaults lr 5e-5,
+        # batch 16, SWAD on).
+        ("pacs", "miro_swag", dict(objective="miro", arch="swag_regnety_16gf",
+                                   batch_per_env=16, miro_ld=0.01, swad=True, lr=5e-5)),
+        ("domain_net", "miro_swag", dict(miro_ld=0.1, swad_eval_every=500)),
+        ("office_home", "miro_swad", dict(miro_ld=0.1, swad=True, batch_per_env=32)),
+        # DomainBed HEAD's hparams_registry defaults: resnet50_augmix, freeze_bn False.
+        ("terra_incognita", "domainbed_head", dict(arch="resnet50_augmix",
+                                                   freeze_batchnorm=False, lr=5e-5,
+                                                   batch_per_env=32, dropout=0.0,
+                                                   weight_decay=0.0, algorithm="sagm")),
+    ],
+)
+def test_a_config_preset_sets_the_published_protocol(dataset_file, preset, expected):
+    config = runpy.run_path(f"configs/{dataset_file}.py")["get_config"](preset)
+    assert {key: config[key] for key in expected} == expected
+    assert not config_problems(config) or all(
+        "pretrained_weights" in p or "data_dir" in p for p in config_problems(config))
+
+
+def test_an_unknown_preset_is_refused_by_name():
+    with pytest.raises(ValueError, match="'miro_swig'.*domainbed_head, miro, miro_swad"):
+        runpy.run_path("configs/pacs.py")["get_config"]("miro_swig")
+
+
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        (dict(arch="clip_vit-b16", mixstyle=True), "MixStyle sits between the stages"),
+        (dict(arch="swag_regnety_16gf", mixstyle=True), "has none"),
+        (dict(arch="resnet50", attention_only=True), "config.arch=resnet50 has none"),
+        (dict(arch="dinov2_vitb14", attention_only=True, algorithm="fish"), "procedure"),
+        (dict(arch="clip_vit-b16", image_size=8), "patches"),
+    ],
+)
+def test_what_a_backbone_cannot_do_is_refused_before_the_run(changes, needle):
+    config = runpy.run_path("configs/pacs.py")["get_config"]()
+    config.pretrained_weights = "none"
+    config.update(changes)
+    assert any(needle in problem for problem in config_problems(config)), config_problems(config)

@@ -190,6 +190,12 @@ FIELDS: dict[str, tuple[Field, ...]] = {
             checks.BOOL,
         ),
         Field(
+            "attention_only",
+            False,
+            "train only the ViT's attention layers and the classifier (DomainBed's vit_attn_tune)",
+            checks.BOOL,
+        ),
+        Field(
             "mixstyle",
             False,
             "MixStyle after the ResNet stages mixstyle_after (SAGM + MixStyle)",
@@ -431,6 +437,7 @@ def mnist_config(dataset: str) -> ml_collections.ConfigDict:
 
 
 from sagm_jax.config.combinations import (  # noqa: E402,F401  (the sweep's preflight's too)
+    attention_only_problems,
     crossdomain_mixstyle_problems,
     mixstyle_network_problems,
     device_batch_problems,
@@ -451,7 +458,7 @@ def config_problems(
     bounds ``num_devices``; ``check_files`` also looks for the weights file on this
     machine (the command line does, before a run)."""
     problems = [problem for _, problem in field_problems(config, device_count)]
-    problems += mixstyle_network_problems(config)
+    problems += mixstyle_network_problems(config) + attention_only_problems(config)
     problems += method_problems(config) + crossdomain_mixstyle_problems(config)
     weights = weights_problem(config, check_files)
     return problems + ([weights] if weights else [])

@@ -120,6 +120,23 @@ def mixstyle_network_problems(config: ml_collections.ConfigDict) -> list[str]:
     ]
 
 
+def attention_only_problems(config: ml_collections.ConfigDict) -> list[str]:
+    """``attention_only`` (DomainBed HEAD's ``vit_attn_tune``) needs a ViT, whose attention
+    layers it trains, and an update rule whose gradients the train step computes (a
+    procedure keeps its own optimizers)."""
+    if config.get("attention_only") is not True:
+        return []
+    arch, algorithm = config.get("arch"), config.get("algorithm")
+    vits = [name for name, b in BACKBONES.items() if not b.feature_maps]
+    if arch in BACKBONES and arch not in vits:
+        return [f"config.attention_only=True trains a ViT's attention layers; config.arch={arch} "
+                f"has none (expected one of {', '.join(vits)})."]
+    if algorithm in rule_names("procedure"):
+        return [f"config.attention_only=True: algorithm={algorithm} is a procedure with its own "
+                "optimizers; expected erm, sam, gsam or sagm (or another update rule)."]
+    return []
+
+
 def training_environments(
     config: ml_collections.ConfigDict, num_domains: int | None = None
 ) -> int | None:

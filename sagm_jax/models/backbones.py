@@ -166,6 +166,21 @@ def renormalising(network: nn.Module, affine) -> nn.Module:
     return _RENORMALISING[cls](**fields, input_affine=affine)
 
 
+def trains_with_attention_only(params) -> dict:
+    """DomainBed HEAD's ``vit_attn_tune`` (``domainbed/networks.py``, ``DinoV2``: a
+    backbone parameter trains iff ``'attn' in name``) as a tree of bools over ``params``:
+    True for the parameters whose path names ``attn`` (the ViTs' attention layers, named
+    so in ``vit``), for the classifier and for the method's own modules (not part of the
+    backbone in the reference either); False for every other backbone parameter."""
+    import jax
+
+    def trains(path, _):
+        names = [str(getattr(entry, "key", entry)) for entry in path]
+        return names[0] in ("classifier", "method") or any("attn" in n for n in names)
+
+    return jax.tree_util.tree_map_with_path(trains, params)
+
+
 def _channels(values, x):
     import jax.numpy as jnp
 

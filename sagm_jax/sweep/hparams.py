@@ -42,13 +42,16 @@ and the fixed flags ``resnet50_augmix`` True (its ``networks.ResNet`` then loads
 ``freeze_bn`` False (its ResNet then trains the BatchNorm statistics), ``dinov2``,
 ``vit``, ``vit_attn_tune`` and ``lars`` False and ``linear_steps`` 500, beside the older
 fixed ``data_augmentation`` True, ``resnet18``, ``class_balanced`` and
-``nonlinear_classifier`` False. We differ on purpose where those flags change the
-model: the SAGM paper (and SWAD, whose code it builds on) ran DomainBed's earlier
-setting, which is ours by default: torchvision's ImageNet weights
+``nonlinear_classifier`` False. Our default is the setting the SAGM paper (and SWAD,
+whose code it builds on) ran, DomainBed's earlier one: torchvision's ImageNet weights
 (``pretrained_weights``, ``sagm_jax.models.torchvision_weights``) and BatchNorm frozen
 (``freeze_batchnorm=True``; DomainBed's ResNet froze it always before ``freeze_bn``
-existed); we have no ViT, hence no ``vit_dropout``. As each name has its own generator,
-leaving these draws out changes none of the draws we make.
+existed); DomainBed HEAD's fixed flags are the config preset ``domainbed_head``
+(``sagm_jax.config.presets``: ``arch=resnet50_augmix``, ``freeze_batchnorm=False``).
+On a ViT (``arch`` ``dinov2_vitb14`` or ``clip_vit-b16``) the head's dropout is
+DomainBed's ``vit_dropout``: the same distribution, drawn under that name (pass
+``arch``). As each name has its own generator, leaving the other draws out changes none
+of the draws we make.
 
 Each objective's and update rule's own hyperparameters are drawn from the
 ``Distribution`` of its registry entry in :mod:`sagm_jax.methods` (DomainBed's), under
@@ -68,6 +71,7 @@ import numpy as np
 
 from sagm_jax import methods
 from sagm_jax.data import registry
+from sagm_jax.models.backbones import BACKBONES
 from sagm_jax.methods.registry import Hyperparameter, choice, fixed, log_uniform
 
 # Our config key -> DomainBed's hyperparameter name, where they differ; the name seeds
@@ -106,6 +110,8 @@ MNIST_METHOD_HPARAMS = {
 }
 
 DISAM_DRAW = log_uniform(-2, 0)
+# The backbones whose head dropout DomainBed calls ``vit_dropout`` (no feature maps).
+VIT_ARCHS = tuple(name for name, b in BACKBONES.items() if not b.feature_maps)
 # DomainBed's ``batch_size`` of an objective outside SMALL_IMAGES, default and every draw:
 # ARM's 8 (its ``hparams_registry``: ``elif algorithm == 'ARM'``, before DomainNet's).
 FIXED_IMAGE_BATCH = {"arm": 8}
@@ -189,10 +195,12 @@ def random_hparams(
     trial_seed: int,
     objective: str = "erm",
     disam_lambda: float = 0.0,
+    arch: str | None = None,
 ) -> dict:
     """``{config key: value}`` of setting ``hparams_seed`` (0 = DomainBed's defaults) for
     the update rule ``algorithm`` with ``objective`` (and DISAM at ``disam_lambda`` > 0,
-    its setting-0 value) on ``dataset``, drawn as DomainBed draws (module docstring).
+    its setting-0 value) on ``dataset``, drawn as DomainBed draws (module docstring);
+    on a ViT ``arch`` the dropout under DomainBed's name ``vit_dropout``.
 
     >>> random_hparams("erm", "PACS", 0, 0)
     {'lr': 5e-05, 'batch_per_env': 32, 'weight_decay': 0.0, 'dropout': 0.0}
@@ -210,9 +218,12 @@ def random_hparams(
     if hparams_seed == 0:
         return {h.key: h.default for h in hparams}
     setting = seed_hash(hparams_seed, trial_seed)
+    names = dict(DOMAINBED_NAMES)
+    if arch in VIT_ARCHS:
+        names["dropout"] = "vit_dropout"
     return {
         h.key: h.distribution.draw(
-            np.random.RandomState(seed_hash(setting, DOMAINBED_NAMES.get(h.key, h.key)))
+            np.random.RandomState(seed_hash(setting, names.get(h.key, h.key)))
         )
         for h in hparams
     }

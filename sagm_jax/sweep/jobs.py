@@ -286,7 +286,7 @@ def _check_random_search(grid, fixed, disam_lambdas, n_hparams) -> None:
         raise ValueError(f"--n_hparams {n_hparams}: expected a positive integer.")
 
 
-def _points(dataset, objective, algorithm, disam, trial_seed, grid, preset, n_hparams):
+def _points(dataset, objective, algorithm, disam, trial_seed, grid, preset, n_hparams, arch):
     """The hyperparameter points of one method's jobs: the preset's grid with the
     ``--grid`` keys over it, or the random search's settings ``hparams_seed`` 0..n-1."""
     if preset != "random":
@@ -295,7 +295,8 @@ def _points(dataset, objective, algorithm, disam, trial_seed, grid, preset, n_hp
     return [
         {
             HPARAMS_SEED: k,
-            **hparams.random_hparams(algorithm, dataset, k, trial_seed, objective, disam),
+            **hparams.random_hparams(algorithm, dataset, k, trial_seed, objective, disam,
+                                     arch=arch),
         }
         for k in range(n_hparams)
     ]
@@ -343,7 +344,8 @@ def make_jobs(
         for envs in test_env_sets(test_envs, num_environments(dataset, fixed)):
             for trial_seed in preset_trial_seeds(hparams_preset, trial_seeds):
                 draw = (objective, algorithm, disam, trial_seed)
-                for point in _points(dataset, *draw, grid, hparams_preset, n_hparams):
+                for point in _points(dataset, *draw, grid, hparams_preset, n_hparams,
+                                     fixed.get("arch")):
                     args = {
                         "config": CONFIG_FILES[dataset],
                         "algorithm": algorithm,

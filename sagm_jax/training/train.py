@@ -44,6 +44,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sagm_jax import data as data_lib
+from sagm_jax.models import backbones
 from sagm_jax import formatting
 from sagm_jax.swad import averages as averaging
 from sagm_jax.methods import networks, objectives
@@ -157,8 +158,23 @@ def optimizer_from_config(
         config.algorithm, hp, learning_rate=adam["lr"], weight_decay=adam["weight_decay"],
         adaptive=adam["adaptive"], perturbation=adam["perturbation"],
         axis_name=axis_name if per_device else None,
-        decay_mask=networks.decay_mask(network, method_hp),
+        decay_mask=_decay_mask(config, network, method_hp),
         group_learning_rates=networks.group_learning_rates(network, method_hp),
+    )
+
+
+def _decay_mask(config, network, method_hp):
+    """The method's weight-decay mask (``networks.decay_mask``), and with
+    ``config.attention_only`` only the parameters that train
+    (``backbones.trains_with_attention_only``): PyTorch's Adam decays only the
+    parameters that have a gradient."""
+    method_mask = networks.decay_mask(network, method_hp)
+    if not config.attention_only:
+        return method_mask
+    if method_mask is None:
+        return backbones.trains_with_attention_only
+    return lambda params: jax.tree.map(
+        lambda a, b: a and b, method_mask(params), backbones.trains_with_attention_only(params)
     )
 
 

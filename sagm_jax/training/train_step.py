@@ -63,6 +63,7 @@ from sagm_jax.methods.objectives import per_example_cross_entropy
 from sagm_jax.methods.procedures import BatchPasses
 from sagm_jax.config import section
 from sagm_jax.data import device_augment
+from sagm_jax.models import backbones
 from sagm_jax.models.resnet import INTERMEDIATES
 from sagm_jax.methods.registry import settings, update_rule
 from sagm_jax.methods.update_rules import domain_loss_variance
@@ -201,6 +202,7 @@ def make_train_step(
     shared_dropout: bool = False,
     compute_dtype=jnp.float32,
     axis_name: str | None = None,
+    trainable=None,
 ):
     """Returns ``train_step(state, batch, key) -> (state, metrics)``, pure and jittable.
 
@@ -213,6 +215,11 @@ def make_train_step(
     chain of a plain or sharpness-aware rule, or the ``procedures.Procedure`` of
     ``algorithm`` (Fish, AND-mask, MLDG), which updates from per-domain gradients.
     ``metrics`` holds the reported ``loss`` and the objective's other values.
+    ``trainable`` (``params -> tree of bools``; ``config.attention_only``) stops the
+    gradient of every parameter it marks False in every pass, as PyTorch's
+    ``requires_grad=False``: their gradients are 0, so they add nothing to a
+    perturbation's norm, and Adam (whose weight decay leaves them out,
+    ``train.optimizer_from_config``) never moves them.
     """
     rule = update_rule(algorithm)
     is_procedure = rule.kind == "procedure"
@@ -225,6 +232,9 @@ def make_train_step(
         perturbed_key = clean_key if shared_dropout else perturbed_key
 
         def forward_at(params, dropout_key, mixstyle=use_mixstyle):
+            if trainable is not None:
+                params = jax.tree.map(lambda p, t: p if t else jax.lax.stop_gradient(p),
+                                      params, trainable(params))
             return _forward(
                 model, params, state.batch_stats, dropout_key, mixstyle, train_batchnorm,
                 compute_dtype,
@@ -405,6 +415,7 @@ def run_train_step(config, model: nn.Module, optimizer, num_domains: int, mesh=N
         shared_dropout=config.shared_dropout,
         compute_dtype=jnp.dtype(config.compute_dtype),
         axis_name="batch" if per_device else None,
+        trainable=backbones.trains_with_attention_only if config.attention_only else None,
     )
     if per_device:
         # check_vma=False keeps gradients of replicated parameters local, as under pmap;

@@ -222,3 +222,28 @@ def test_eval_batch_default_is_the_declared_reference_batch():
         assert batch_size(config, 1, "cpu", model) == 64
         assert batch_size(types.SimpleNamespace(eval_batch_size=16), 1, "cpu", model) == 16
     assert batch_size(config, 1, "cpu", object()) == 128
+
+
+def test_a_vit_draws_its_dropout_as_domainbeds_vit_dropout():
+    """DomainBed HEAD's hparams_registry draws ``vit_dropout`` (choice {0, 0.1, 0.5}) from
+    its own generator, seeded by md5 of str((seed_hash(hparams_seed, trial_seed),
+    'vit_dropout')); a ResNet's dropout stays ``resnet_dropout``'s draw."""
+
+    def md5_seed(*args):
+        return int(hashlib.md5(str(args).encode("utf-8")).hexdigest(), 16) % 2**31
+
+    differ = 0
+    for hparams_seed in range(1, 9):
+        setting = md5_seed(hparams_seed, 0)
+        expected = {
+            name: np.random.RandomState(md5_seed(setting, name)).choice([0.0, 0.1, 0.5])
+            for name in ("vit_dropout", "resnet_dropout")
+        }
+        vit = random_hparams("sagm", "PACS", hparams_seed, 0, arch="dinov2_vitb14")
+        resnet = random_hparams("sagm", "PACS", hparams_seed, 0, arch="resnet50")
+        assert vit["dropout"] == expected["vit_dropout"]
+        assert resnet["dropout"] == expected["resnet_dropout"]
+        assert {k: v for k, v in vit.items() if k != "dropout"} == {
+            k: v for k, v in resnet.items() if k != "dropout"}
+        differ += vit["dropout"] != resnet["dropout"]
+    assert differ  # the two names draw different values for some settings
