@@ -403,7 +403,12 @@ def _load_pth(path: str) -> dict[str, np.ndarray]:
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises many types for a corrupt or foreign file
-        raise ValueError(f"{path}: torch.load cannot read it as a checkpoint ({error})") from error
+        loaded = _load_torchscript(torch, path)  # OpenAI's CLIP files: TorchScript archives
+        if loaded is None:
+            raise ValueError(
+                f"{path}: torch.load cannot read it as a checkpoint ({error})") from error
+    if isinstance(loaded, torch.jit.ScriptModule):  # torch.load handed it to torch.jit
+        loaded = dict(loaded.state_dict())
     if isinstance(loaded, Mapping) and isinstance(loaded.get("state_dict"), Mapping):
         loaded = loaded["state_dict"]  # a training checkpoint (MoCo v3's .pth.tar): its weights
     if not isinstance(loaded, Mapping) or not all(
@@ -414,6 +419,15 @@ def _load_pth(path: str) -> dict[str, np.ndarray]:
             f"saves), got {type(loaded).__name__}"
         )
     return {key: value.detach().cpu().numpy() for key, value in loaded.items()}
+
+
+def _load_torchscript(torch, path: str):
+    """The state dict of a TorchScript archive (OpenAI's ``RN50.pt``, ``ViT-B-16.pt``,
+    which its ``clip.load`` opens with ``torch.jit.load``), or None if it is not one."""
+    try:
+        return dict(torch.jit.load(path, map_location="cpu").state_dict())
+    except Exception:  # not an archive torch.jit reads: the caller's message stands
+        return None
 
 
 def _load_safetensors(path: str) -> dict[str, np.ndarray]:

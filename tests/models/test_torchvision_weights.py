@@ -176,3 +176,20 @@ def test_the_format_check_takes_written_files_and_refuses_them_cut_short(tmp_pat
         with pytest.raises(ValueError):
             models.load_weights(path)  # the full reader refuses it too
         assert weights_file_problem(path), cut
+
+
+def test_a_torchscript_archive_is_read_as_its_state_dict(tmp_path):
+    """OpenAI's CLIP files (RN50.pt, ViT-B-16.pt) are TorchScript archives, which
+    torch.load refuses: load_weights reads them as clip.load does (torch.jit.load)."""
+    torch = pytest.importorskip("torch")
+    from sagm_jax.models.torchvision_weights import load_weights
+
+    module = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).half()
+    path = tmp_path / "RN50.pt"
+    torch.jit.save(torch.jit.script(module), str(path))
+    loaded, _ = load_weights(path)
+    expected = module.state_dict()
+    assert set(loaded) == set(expected)
+    for key, value in expected.items():
+        np.testing.assert_array_equal(loaded[key], value.numpy())
+    assert loaded["0.weight"].dtype == np.float16  # converters make it float32
