@@ -51,7 +51,9 @@ from sagm_jax.models.torchvision_weights import LayoutEntry, convert_layout
 PREFIXES = ("module.",)
 # A key both layouts have (after the prefix): a RegNet's first block's first conv.
 SIGNATURE = "trunk_output.block1.block1-0.f.a.0.weight"
-SWAG_STEM = "stem.stem.0.weight"
+# Names only SWAG's layout has: its stem's inner Sequential and its blocks' last BN.
+SWAG_STEM_PREFIX = "stem.stem."
+SWAG_BN = ".f.final_bn."
 
 
 def _conv(torch_key: str, path: tuple[str, ...], shape: tuple[int, ...]) -> list[LayoutEntry]:
@@ -188,7 +190,7 @@ def convert_regnet(state_dict: Mapping[str, Any], image_size: int = 224) -> dict
     """
     del image_size
     weights = strip_prefix(state_dict)
-    swag = SWAG_STEM in weights
+    swag = any(key.startswith(SWAG_STEM_PREFIX) or SWAG_BN in key for key in weights)
     fc = weights.get("head.fc.weight" if swag else "fc.weight")
     num_classes = int(np.shape(fc)[0]) if fc is not None and np.ndim(fc) == 2 else None
     if num_classes is None and any(key.startswith(("fc.", "head.")) for key in weights):

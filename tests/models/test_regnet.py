@@ -228,6 +228,22 @@ def test_gradient_flows_to_every_parameter():
     assert not dead, f"no gradient reaches {dead}"
 
 
+def test_bfloat16_forward():
+    """The train step's bfloat16 mode casts parameters and images: the network follows."""
+    variables = small_variables()
+    images = small_images(2)
+    to_bf16 = lambda tree: jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.bfloat16), tree)
+
+    @jax.jit
+    def forward(variables, images):
+        full = small_model().apply(variables, images, train=False)
+        return full, small_model().apply(to_bf16(variables), to_bf16(images), train=False)
+
+    full, half = forward(variables, images)
+    assert half.dtype == jnp.bfloat16
+    assert relative_error(np.asarray(half, np.float32), np.asarray(full)) < 0.05
+
+
 def test_build_interface_and_feature_width():
     model = regnet.build(
         7, dropout_rate=0.2, freeze_batchnorm=False, input_channels=4, image_size=384
