@@ -56,6 +56,9 @@ class Backbone:
     min_image_size: int = 32  # the network's total stride (or its patch)
     batchnorm: bool = True  # has BatchNorm layers (``freeze_batchnorm`` applies)
     layout: str | None = None  # a ResNet weight file's key layout (``resnet_layouts``)
+    # Keyword arguments for the builder beyond ``build``'s (a reduced-size variant's
+    # widths and depths, as the tests register them); the published network takes none.
+    options: tuple[tuple[str, object], ...] = ()
 
 
 def _resnet(name, weights_file, url, source, feature_dim=2048, layout="torchvision"):
@@ -83,7 +86,7 @@ BACKBONES = {
                 "https://dl.fbaipublicfiles.com/moco-v3/r-50-1000ep/r-50-1000ep.pth.tar",
                 "MoCo v3's ResNet-50, 1000 epochs (facebookresearch/moco-v3)", layout="mocov3"),
         Backbone("clip_resnet50", "sagm_jax.models.clip_resnet:build",
-                 "sagm_jax.models.clip_resnet:convert_clip_resnet", "RN50.pt",
+                 "sagm_jax.models.clip_resnet_weights:convert_clip_resnet", "RN50.pt",
                  "https://openaipublic.azureedge.net/clip/models/afeb0e10bbd5e1f6b7b9bc1ac63c1a4e"
                  "6d79c2a63bb94fa2b84c39a4d3e8cbc8/RN50.pt",
                  "OpenAI's CLIP RN50 image tower", 1024, CLIP_MEAN, CLIP_STD),
@@ -99,7 +102,7 @@ BACKBONES = {
                  "DINOv2 ViT-B/14 (facebookresearch/dinov2), DomainBed HEAD's dinov2", 5 * 768,
                  feature_maps=False, min_image_size=14, batchnorm=False),
         Backbone("swag_regnety_16gf", "sagm_jax.models.regnet:build",
-                 "sagm_jax.models.regnet:convert_regnet", "regnety_16gf.torch",
+                 "sagm_jax.models.regnet_weights:convert_regnet", "regnety_16gf.torch",
                  "https://dl.fbaipublicfiles.com/SWAG/regnety_16gf.torch",
                  "SWAG's RegNetY-16GF (facebookresearch/SWAG), MIRO's strongest backbone", 3024),
         Backbone("mnist_cnn", "mnist_cnn", None, None, None,
@@ -191,4 +194,5 @@ def build(arch: str, num_classes: int, **options) -> nn.Module:
     """The network of a backbone that is not a ResNet nor the MNIST CNN (those are built
     by ``models.create``), with a fresh ``num_classes``-way classifier; ``options``:
     ``dropout_rate``, ``freeze_batchnorm``, ``input_channels``, ``image_size``."""
-    return _resolve(get(arch).network)(num_classes, **options)
+    backbone = get(arch)
+    return _resolve(backbone.network)(num_classes, **options, **dict(backbone.options))

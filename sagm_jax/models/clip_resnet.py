@@ -239,9 +239,11 @@ def build(
     freeze_batchnorm=True,
     input_channels=3,
     image_size=224,
+    **sizes,
 ) -> nn.Module:
     """CLIP's RN50 image tower with a fresh ``num_classes``-way classifier (DomainBed's
-    head on the 1024-d attention-pool feature), for images of ``image_size``."""
+    head on the 1024-d attention-pool feature), for images of ``image_size``; ``sizes``
+    (``layers``, ``width``, ``heads``, ``output_dim``) make a reduced network (the tests')."""
     if image_size < 32:
         raise ValueError(f"{NAME} needs images of at least 32x32, got image_size={image_size}")
     return CLIPResNet(
@@ -250,4 +252,5 @@ def build(
         freeze_batchnorm=freeze_batchnorm,
         input_channels=input_channels,
         image_size=image_size,
+        **sizes,
     )

@@ -284,13 +284,16 @@ def build(
     freeze_batchnorm: bool = True,
     input_channels: int = 3,
     image_size: int = 224,
+    **sizes,
 ) -> RegNet:
     """RegNetY-16GF with a fresh ``num_classes``-way classifier. ``image_size`` is
-    accepted for the common interface: no parameter's shape depends on it."""
+    accepted for the common interface: no parameter's shape depends on it. ``sizes``
+    (``depths``, ``widths``, ...) make a reduced network (the tests')."""
     del image_size
     return RegNet(
         num_classes=num_classes,
         dropout_rate=dropout_rate,
         freeze_batchnorm=freeze_batchnorm,
         input_channels=input_channels,
+        **sizes,
     )

@@ -57,8 +57,9 @@ TORCH_INSTALL_HINT = (
     ".safetensors file here; it needs no torch."
 )
 # torch.save files: .pth/.pt (torchvision), .bin (the Hugging Face hub's pytorch_model.bin),
-# .pth.tar (training checkpoints such as MoCo v3's, a dict holding the state_dict).
-SUPPORTED_SUFFIXES = (".pth", ".pt", ".bin", ".pth.tar", ".safetensors", ".npz")
+# .pth.tar (training checkpoints such as MoCo v3's, a dict holding the state_dict), .torch
+# (SWAG's torch.hub files).
+SUPPORTED_SUFFIXES = (".pth", ".pt", ".bin", ".pth.tar", ".torch", ".safetensors", ".npz")
 IGNORED_SUFFIX = ".num_batches_tracked"
 # How many key names an error message lists before it summarises the rest.
 MAX_KEYS_IN_MESSAGE = 20
@@ -322,7 +323,7 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 # What each accepted extension holds, as the "not a weights file" message lists it.
 ACCEPTED_FORMATS = (
-    ".pth/.pt/.bin/.pth.tar (torch.save: a zip archive, or a pickle before torch 1.6), "
+    ".pth/.pt/.bin/.pth.tar/.torch (torch.save: a zip archive, or a pickle before torch 1.6), "
     ".safetensors, "
     ".npz (a NumPy zip archive)"
 )
@@ -448,7 +449,7 @@ def _load_npz(path: str) -> dict[str, np.ndarray]:
 
 
 def load_weights(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], str]:
-    """Read a state dict from ``.pth``/``.pt``/``.bin``/``.pth.tar`` (torch), ``.safetensors``
+    """Read a state dict from ``.pth``/``.pt``/``.bin``/``.pth.tar``/``.torch`` (torch), ``.safetensors``
     or ``.npz``. A torch file holding a training checkpoint (a dict with a ``state_dict``
     entry, as MoCo v3's ``.pth.tar``) gives that entry's state dict.
 
@@ -464,6 +465,7 @@ def load_weights(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], str]:
         ".pt": _load_pth,
         ".bin": _load_pth,
         ".pth.tar": _load_pth,
+        ".torch": _load_pth,
         ".safetensors": _load_safetensors,
         ".npz": _load_npz,
     }
