@@ -199,8 +199,9 @@ def convert_clip_vit(state_dict: Mapping[str, Any], image_size: int = 224) -> di
 def cubic_weights(in_size: int, out_size: int, scale: float) -> np.ndarray:
     """[out_size, in_size]: torch's bicubic (align_corners=False, no antialias) along one
     axis given the scale factor ``scale`` (module docstring)."""
-    ratio = np.float32(1.0 / scale)
-    source = ratio * (np.arange(out_size, dtype=np.float32) + np.float32(0.5)) - np.float32(0.5)
+    # torch: a float32 ratio times the double (i + 0.5), rounded to float32 once.
+    ratio = np.float64(np.float32(1.0 / scale))
+    source = (ratio * (np.arange(out_size) + 0.5) - 0.5).astype(np.float32)
     start = np.minimum(np.floor(source).astype(np.int64), in_size - 1)
     t = np.clip(source.astype(np.float64) - start, 0.0, 1.0)
 
@@ -242,7 +243,7 @@ def convert_dinov2(state_dict: Mapping[str, Any], image_size: int = 224) -> dict
     """The hub's DINOv2 ViT state dict (``dinov2_vitb14_pretrain.pth`` layout) as
     ``{'params': ..., 'batch_stats': {}}`` for ``DinoV2ViT`` at ``image_size``: the
     position table resampled to image_size // patch patches a side, ``mask_token``
-    ignored (training-only)."""
+    ignored whether present or not (training-only)."""
     state_dict = _strip(state_dict, "module.")
     conv = _shape(state_dict, "patch_embed.proj.weight", 4) or (768, 3, DINOV2_PATCH, DINOV2_PATCH)
     width, patch = conv[0], conv[2]
@@ -251,12 +252,12 @@ def convert_dinov2(state_dict: Mapping[str, Any], image_size: int = 224) -> dict
     checkpoint_grid = DINOV2_CHECKPOINT_GRID
     if pos and math.isqrt(pos[1] - 1) ** 2 == pos[1] - 1:
         checkpoint_grid = math.isqrt(pos[1] - 1)
-    layout = dinov2_layout(patch_size=patch, width=width, depth=depth,
-                           checkpoint_grid=checkpoint_grid)
-    variables = convert_layout(state_dict, layout, f"DINOv2 ViT ({depth} blocks, width {width})")
+    layout = [entry for entry in dinov2_layout(patch_size=patch, width=width, depth=depth,
+                                               checkpoint_grid=checkpoint_grid)
+              if entry.torch_key not in IGNORED_DINOV2_KEYS]
+    used = {key: value for key, value in state_dict.items() if key not in IGNORED_DINOV2_KEYS}
+    variables = convert_layout(used, layout, f"DINOv2 ViT ({depth} blocks, width {width})")
     params = variables["params"]
-    for key in IGNORED_DINOV2_KEYS:
-        del params[key]
     params["class_embedding"] = params["class_embedding"].reshape(width)
     params["pos_embedding"] = resample_dinov2_pos_embed(
         params["pos_embedding"], image_size // patch
