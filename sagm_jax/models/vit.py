@@ -328,6 +328,14 @@ class DinoV2ViT(nn.Module):
         return linear_head(feature, self.num_classes, self.dropout_rate, train, features=features)
 
 
+def _check_size(image_size: int, patch_size: int, network: str) -> None:
+    if image_size < patch_size:
+        raise ValueError(
+            f"{network} needs images of at least one {patch_size}-pixel patch, got "
+            f"image_size={image_size}"
+        )
+
+
 def build_clip_vit_b16(
     num_classes: int,
     *,
@@ -335,12 +343,16 @@ def build_clip_vit_b16(
     freeze_batchnorm: bool = True,
     input_channels: int = 3,
     image_size: int = 224,
+    **sizes,
 ) -> ClipViT:
     """CLIP ViT-B/16's image tower with a fresh ``num_classes``-way classifier
-    (``freeze_batchnorm``: no BatchNorm here, accepted for the common interface)."""
+    (``freeze_batchnorm``: no BatchNorm here, accepted for the common interface);
+    ``sizes`` (``patch_size``, ``width``, ``depth``, ``heads``, ``output_dim``) make a
+    reduced network (the tests')."""
     del freeze_batchnorm
+    _check_size(image_size, sizes.get("patch_size", CLIP_PATCH), "CLIP ViT")
     return ClipViT(num_classes=num_classes, dropout_rate=dropout_rate,
-                   input_channels=input_channels, image_size=image_size)
+                   input_channels=input_channels, image_size=image_size, **sizes)
 
 
 def build_dinov2_vit_b14(
@@ -350,13 +362,17 @@ def build_dinov2_vit_b14(
     freeze_batchnorm: bool = True,
     input_channels: int = 3,
     image_size: int = 224,
+    **sizes,
 ) -> DinoV2ViT:
-    """DINOv2 ViT-B/14 with DomainBed's 3840-d feature and a fresh classifier. Like
-    DomainBed's ``DinoV2``, it takes 3-channel images only."""
+    """DINOv2 ViT-B/14 with DomainBed's 3840-d feature and a fresh classifier; ``sizes``
+    (``patch_size``, ``width``, ``depth`` >= 4, ``heads``, ``layer_scale``) make a reduced
+    network (the tests'). Like DomainBed's ``DinoV2``, it takes 3-channel images only."""
     del freeze_batchnorm
     if input_channels != 3:
         raise ValueError(
             f"DINOv2 ViT-B/14 takes 3-channel images (as DomainBed's DinoV2), got "
             f"input_channels={input_channels}"
         )
-    return DinoV2ViT(num_classes=num_classes, dropout_rate=dropout_rate, image_size=image_size)
+    _check_size(image_size, sizes.get("patch_size", DINOV2_PATCH), "DINOv2 ViT")
+    return DinoV2ViT(num_classes=num_classes, dropout_rate=dropout_rate, image_size=image_size,
+                     **sizes)

@@ -42,12 +42,12 @@ def relative_error(ours, reference) -> float:
 
 
 def small_clip(**changes):
-    model = vit.build_clip_vit_b16(CLASSES, image_size=SMALL_SIZE, **changes)
-    return model.clone(**SMALL, output_dim=SMALL_CLIP_OUTPUT)
+    return vit.build_clip_vit_b16(CLASSES, image_size=SMALL_SIZE, **SMALL,
+                                  output_dim=SMALL_CLIP_OUTPUT, **changes)
 
 
 def small_dinov2(**changes):
-    return vit.build_dinov2_vit_b14(CLASSES, image_size=SMALL_SIZE, **changes).clone(**SMALL)
+    return vit.build_dinov2_vit_b14(CLASSES, image_size=SMALL_SIZE, **SMALL, **changes)
 
 
 def small_clip_weights(seed=7, image_size=SMALL_SIZE):
@@ -302,6 +302,8 @@ def test_inputs_are_checked():
         model.apply(variables, images(channels=1), train=False)
     with pytest.raises(ValueError, match="3-channel images"):
         vit.build_dinov2_vit_b14(CLASSES, input_channels=4)
+    with pytest.raises(ValueError, match="at least one 14-pixel patch"):
+        vit.build_dinov2_vit_b14(CLASSES, image_size=10)
     with pytest.raises(ValueError, match="last 4 blocks"):
         init(small_dinov2().clone(depth=2), images())
 
