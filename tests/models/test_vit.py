@@ -324,3 +324,18 @@ def test_constants():
     assert not vit.CLIP_FEATURE_MAPS and not vit.DINOV2_FEATURE_MAPS
     assert len(vit.CLIP_MEAN) == len(vit.CLIP_STD) == len(vit.DINOV2_MEAN) == 3
     assert isinstance(vit.build_clip_vit_b16(3), nn.Module)
+
+
+@pytest.mark.parametrize("network", ["clip", "dinov2"])
+def test_bfloat16_forward(network):
+    """The train step's bfloat16 mode casts parameters and images: the network follows."""
+    model = small_clip() if network == "clip" else small_dinov2()
+    variables = small_variables(model, network)
+    to_bf16 = lambda tree: jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.bfloat16), tree)
+    forward = jax.jit(lambda v, x: model.apply(v, x, train=False, features=True)[0])
+    full = np.asarray(forward(variables, images()))
+    half = forward(to_bf16(variables), to_bf16(images()))
+    assert half.dtype == jnp.bfloat16
+    error = relative_error(np.asarray(half, np.float32), full)
+    print(f"{network} bfloat16: relative error {error:.1e}")
+    assert error < 0.1, error
