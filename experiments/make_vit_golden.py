@@ -74,7 +74,13 @@ from sagm_jax.models.synthetic import (
     weights_fingerprint,
 )
 from sagm_jax.models.vit import miro_blocks
-from sagm_jax.models.vit_weights import clip_vit_layout, dinov2_layout
+from sagm_jax.models.vit_weights import (
+    clip_vit_layout,
+    convert_clip_vit,
+    detect_clip_vit,
+    detect_dinov2,
+    dinov2_layout,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIRO_BLOCKS = miro_blocks(12)
@@ -95,10 +101,38 @@ def record(store: dict, name: str, transform=lambda t: t):
     return hook
 
 
+def flatten(tree: dict, prefix: str = "") -> dict[str, np.ndarray]:
+    flat = {}
+    for name, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{name}/"))
+        else:
+            flat[prefix + name] = value
+    return flat
+
+
+def check_whole_model(whole) -> None:
+    """A whole CLIP model's state dict (OpenAI's checkpoints hold one: ``visual.*`` and the
+    text tower's keys, which share names such as ``transformer.resblocks.0.*``) converts as
+    its image tower alone, and both are detected as CLIP ViT, neither as DINOv2."""
+    full = {key: value.numpy() for key, value in whole.state_dict().items()}
+    visual = {key: value.numpy() for key, value in whole.visual.state_dict().items()}
+    if not (detect_clip_vit(full) and detect_clip_vit(visual)) or detect_dinov2(full):
+        raise SystemExit("detect_clip_vit/detect_dinov2 misjudge open_clip's state dicts")
+    ours, theirs = flatten(convert_clip_vit(full)), flatten(convert_clip_vit(visual))
+    if ours.keys() != theirs.keys() or any(
+        not np.array_equal(ours[key], theirs[key]) for key in ours
+    ):
+        raise SystemExit("a whole CLIP model's state dict converts differently from its tower's")
+    print(f"whole CLIP model: {len(full)} keys, {len(visual)} of the image tower; converts as it")
+
+
 def clip_golden(golden: dict, images: np.ndarray) -> None:
     import open_clip
 
-    visual = open_clip.create_model("ViT-B-16", pretrained=None, quick_gelu=True).visual.eval()
+    whole = open_clip.create_model("ViT-B-16", pretrained=None, quick_gelu=True).eval()
+    check_whole_model(whole)
+    visual = whole.visual
     reference = [(key, tuple(value.shape)) for key, value in visual.state_dict().items()]
     ours = [(entry.torch_key, entry.shape) for entry in clip_vit_layout()]
     if reference != ours:
