@@ -1,4 +1,4 @@
-"""Write CLIP ViT-B/16's and DINOv2 ViT-B/14's outputs on seeded weights and images to a golden file.
+"""Write the reference CLIP ViT-B/16 and DINOv2 ViT-B/14 outputs on seeded weights to a golden file.
 
 Run by hand, with the reference libraries installed next to sagm_jax's own dependencies
 (``pip install 'sagm_jax[torch]' torchvision timm open_clip_torch transformers``):
@@ -241,7 +241,8 @@ def dinov2_feature(model, pixels: torch.Tensor):
     handles = [model.embeddings.patch_embeddings.register_forward_hook(
         record(hooked, "stem", lambda t: t.reshape(t.shape[0], 16, 16, -1)))]
     for group, block in enumerate(MIRO_BLOCKS, start=1):
-        handles.append(model.encoder.layer[block].register_forward_hook(record(hooked, f"block{group}")))
+        layer = model.encoder.layer[block]
+        handles.append(layer.register_forward_hook(record(hooked, f"block{group}")))
     with torch.no_grad():
         outputs = model(pixel_values=pixels, output_hidden_states=True)
         states = outputs.hidden_states
@@ -257,13 +258,14 @@ def dinov2_feature(model, pixels: torch.Tensor):
 
 
 def dinov2_golden(golden: dict, images: np.ndarray) -> None:
-    hub = {k: torch.from_numpy(v) for k, v in draw_dinov2_weights(VIT_WEIGHT_SEEDS["dinov2_vit_b14"]).items()}
+    drawn = draw_dinov2_weights(VIT_WEIGHT_SEEDS["dinov2_vit_b14"])
+    hub = {key: torch.from_numpy(value) for key, value in drawn.items()}
     grid = VIT_SIZE // 14
     resampled = dict(hub, pos_embed=dinov2_resample(hub["pos_embed"], grid))
     model = dinov2_model(VIT_SIZE)
     model.load_state_dict(hf_state_dict(resampled, 768), strict=True)
     feature, hooked = dinov2_feature(model, torch.from_numpy(images))
-    golden["dinov2_fingerprint"] = np.array(weights_fingerprint({k: v.numpy() for k, v in hub.items()}))
+    golden["dinov2_fingerprint"] = np.array(weights_fingerprint(drawn))
     golden["dinov2_feature"] = feature.astype(np.float32)
     for name, array in hooked.items():
         summarise(golden, "dinov2", name, array)

@@ -279,7 +279,8 @@ class ClipViT(nn.Module):
         x = embed_tokens(self, x, self.width, self.patch_size, self.image_size, False,
                          (scale, scale))
         x = layer_norm(CLIP_LAYERNORM_EPS, "ln_pre")(x)
-        block_args = dict(heads=self.heads, epsilon=CLIP_LAYERNORM_EPS, activation="quick_gelu")
+        block_args = {"heads": self.heads, "epsilon": CLIP_LAYERNORM_EPS,
+                      "activation": "quick_gelu"}
         x = run_blocks(self, x, self.depth, block_args)[-1]
         pooled = layer_norm(CLIP_LAYERNORM_EPS, "ln_post")(x[:, 0])
         proj = self.param("proj", scale, (self.width, self.output_dim))
@@ -317,8 +318,8 @@ class DinoV2ViT(nn.Module):
             raise ValueError(f"DinoV2ViT's feature takes the last 4 blocks; depth={self.depth}")
         inits = (nn.initializers.normal(1e-6), nn.initializers.truncated_normal(0.02))
         x = embed_tokens(self, x, self.width, self.patch_size, self.image_size, True, inits)
-        block_args = dict(heads=self.heads, epsilon=DINOV2_LAYERNORM_EPS, activation="gelu",
-                          layer_scale=self.layer_scale)
+        block_args = {"heads": self.heads, "epsilon": DINOV2_LAYERNORM_EPS, "activation": "gelu",
+                      "layer_scale": self.layer_scale}
         outputs = run_blocks(self, x, self.depth, block_args)
         norm = layer_norm(DINOV2_LAYERNORM_EPS, "norm")
         last = [norm(out) for out in outputs[-4:]]

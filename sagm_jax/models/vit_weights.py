@@ -50,7 +50,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -144,8 +145,7 @@ def dinov2_layout(
 
 
 def _strip(state_dict: Mapping[str, Any], prefix: str) -> dict[str, Any]:
-    return {key[len(prefix):] if key.startswith(prefix) else key: value
-            for key, value in state_dict.items()}
+    return {key.removeprefix(prefix): value for key, value in state_dict.items()}
 
 
 def clip_image_tower(state_dict: Mapping[str, Any]) -> dict[str, Any]:
@@ -226,7 +226,9 @@ def resample_dinov2_pos_embed(pos_embed: np.ndarray, grid: int) -> np.ndarray:
     pos_embed = np.asarray(pos_embed, dtype=np.float32)
     source = math.isqrt(pos_embed.shape[1] - 1)
     if source * source != pos_embed.shape[1] - 1:
-        raise ValueError(f"pos_embed of shape {pos_embed.shape}: its patch rows are not a square grid")
+        raise ValueError(
+            f"pos_embed of shape {pos_embed.shape}: its patch rows are not a square grid"
+        )
     if grid == source:
         return pos_embed
     scale = float(grid + DINOV2_INTERPOLATE_OFFSET) / source

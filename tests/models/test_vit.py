@@ -25,7 +25,7 @@ TOLERANCE = 1e-5  # max |ours - reference| relative to max |reference|
 RESAMPLING_TOLERANCE = 1e-6
 CLASSES = 5
 SMALL_SIZE = 32
-SMALL = dict(patch_size=8, width=64, depth=4, heads=4)
+SMALL = {"patch_size": 8, "width": 64, "depth": 4, "heads": 4}
 SMALL_CLIP_OUTPUT = 16
 SMALL_DINOV2_CHECKPOINT_GRID = 6  # resampled to the model's 4x4 grid
 MIRO_NAMES = ("stem", "block1", "block2", "block3", "block4")
@@ -62,7 +62,7 @@ def small_dinov2_weights(seed=8):
     )
 
 
-SMALL_LAYOUT = dict(patch_size=8, width=64, depth=4)
+SMALL_LAYOUT = {"patch_size": 8, "width": 64, "depth": 4}
 
 
 def init(model, x, seed=0):
