@@ -499,8 +499,8 @@ def weights_problem(config: ml_collections.ConfigDict, check_file: bool = False)
     get = (
         f"config.arch={arch} starts from {backbone.source}: download {backbone.weights_url} "
         "(reading a .pth needs torch, a CPU build; or convert it once with "
-        f"`python -m sagm_jax.models.convert {backbone.weights_file} {arch}.safetensors "
-        f"--arch {arch}` and pass that file; README 'ImageNet weights'). "
+        f"`python -m sagm_jax.models.convert {backbone.weights_file} {arch}.safetensors` "
+        "and pass that file; README 'ImageNet weights'). "
         "--config.pretrained_weights=none trains from scratch (not the published setting)."
     )
     if not weights:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from sagm_jax.models import backbones
@@ -166,7 +167,11 @@ def from_config(config, num_classes: int, input_shape, key, pretrained: bool = T
         image_size=input_shape[0],
         imagenet_inputs=imagenet_inputs,
     )
-    variables = model.init(key, jnp.zeros((1, *input_shape), jnp.float32), train=False)
+    # Jitted: one compilation of the whole initialisation, not one per operation (a
+    # network's first eager init compiles each of its hundreds of distinct operations).
+    variables = jax.jit(
+        lambda k: model.init(k, jnp.zeros((1, *input_shape), jnp.float32), train=False)
+    )(key)
     weights = {"file": None, "sha256": None}
     if pretrained and config.pretrained_weights and config.pretrained_weights.lower() != "none":
         state_dict, sha256 = load_weights(config.pretrained_weights)

@@ -1,9 +1,18 @@
-"""Convert a backbone's weight file once into a torchvision-layout file that needs no torch.
+"""Convert a backbone's weight file once into a file that needs no torch.
 
     python -m sagm_jax.models.convert resnet50-0676ba61.pth resnet50.safetensors
     python -m sagm_jax.models.convert model.safetensors resnet50_augmix.safetensors --layout timm
     python -m sagm_jax.models.convert resnet50.pth resnet50_barlowtwins.safetensors
-    python -m sagm_jax.models.convert r-50-1000ep.pth.tar resnet50_mocov3.safetensors
+    python -m sagm_jax.models.convert r-50-1000ep.pth.tar resnet50_moco.safetensors
+    python -m sagm_jax.models.convert RN50.pt clip_resnet50.safetensors
+    python -m sagm_jax.models.convert ViT-B-16.pt clip_vit-b16.safetensors
+    python -m sagm_jax.models.convert dinov2_vitb14_pretrain.pth dinov2_vitb14.safetensors
+    python -m sagm_jax.models.convert regnety_16gf.torch swag_regnety_16gf.safetensors
+
+The other backbones' files (``backbones.BACKBONES``: CLIP's RN50 and ViT-B/16 towers,
+OpenAI's TorchScript archives included, DINOv2's ViT-B/14, SWAG's RegNetY-16GF) keep
+their own keys (CLIP's image tower only), checked strictly by the backbone's converter;
+their layout is the backbone's name.
 
 Run it on any machine with torch (``pip install 'sagm_jax[torch]'``) for a torch
 file (.pth, .pt, .bin, .pth.tar); .safetensors and .npz sources need no torch. The
@@ -27,6 +36,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from sagm_jax.models import backbones, clip_resnet_weights, regnet_weights, vit_weights
 from sagm_jax.models.resnet_layouts import RESNET_LAYOUTS, detect_resnet_layout, resnet_state_dict
 from sagm_jax.models.torchvision_weights import (
     MAX_KEYS_IN_MESSAGE,
@@ -52,7 +62,28 @@ def _prepare_resnet(state_dict: Mapping[str, Any], layout: str) -> tuple[dict, d
     return result, {"arch": infer_arch(result)}
 
 
+def _backbone(arch: str, detect: Callable, tower: Callable | None = None) -> Converter:
+    """A backbone whose file keeps its reference framework's keys: its image tower
+    (``tower``: CLIP's, from a whole CLIP model) checked strictly by the backbone's
+    converter at 224x224 (``backbones.converter``) and written as it is."""
+
+    def prepare(state_dict, layout):
+        kept = dict(tower(state_dict) if tower else state_dict)
+        backbones.converter(arch)(kept, image_size=224)  # strict: names the keys
+        return kept, {"arch": arch}
+
+    return Converter((arch,), lambda sd: arch if detect(sd) else None, prepare)
+
+
+# In the order detection tries them: CLIP's RN50 before the ResNets, whose stem and block
+# keys it shares (its attention pool tells it apart).
 CONVERTERS: dict[str, Converter] = {
+    "clip_resnet": _backbone("clip_resnet50", clip_resnet_weights.detect_clip_resnet,
+                             clip_resnet_weights.image_tower),
+    "clip_vit": _backbone("clip_vit-b16", vit_weights.detect_clip_vit,
+                          vit_weights.clip_image_tower),
+    "dinov2": _backbone("dinov2_vitb14", vit_weights.detect_dinov2),
+    "regnet": _backbone("swag_regnety_16gf", regnet_weights.detect_regnet),
     "resnet": Converter(RESNET_LAYOUTS, detect_resnet_layout, _prepare_resnet),
 }
 

@@ -316,3 +316,22 @@ def test_torch_file_without_torch_says_how_to_convert(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # makes `import torch` fail
     with pytest.raises(ImportError, match="python -m sagm_jax.models.convert"):
         load_weights(path)
+
+
+def test_convert_command_keeps_clips_image_tower_and_does_not_take_it_for_a_resnet(tmp_path):
+    """CLIP's RN50 shares the ResNets' stem and block keys (conv1, layer1.0.conv1, ...):
+    the command detects it by its attention pool, keeps the image tower of a whole CLIP
+    model (the text tower's keys dropped) and checks it strictly at 224x224."""
+    from sagm_jax.models.clip_resnet_weights import clip_resnet_layout
+
+    tower = {f"visual.{e.torch_key}": np.zeros(e.shape, np.float16) for e in clip_resnet_layout()}
+    tower["transformer.resblocks.0.ln_1.weight"] = np.ones(512, np.float16)  # text tower
+    source, target = str(tmp_path / "RN50.safetensors"), str(tmp_path / "out.safetensors")
+    save_weights(tower, source)
+    convert_cli.main([source, target])
+    written, _ = load_weights(target)
+    assert sorted(written) == sorted(e.torch_key for e in clip_resnet_layout())
+    del tower["visual.attnpool.c_proj.bias"]
+    save_weights(tower, source)
+    with pytest.raises(ValueError, match="attnpool.c_proj.bias"):
+        convert_cli.main([source, target])
