@@ -69,7 +69,7 @@ def section_steps(args, report):
     name = "device report"
     bench_train_step.SETUPS[name] = (
         args.arch,
-        {"dropout_rate": 0.5},
+        {"dropout_rate": 0.5, "image_size": args.image_size},
         (args.image_size, args.image_size, 3),
         args.batch,
     )
@@ -306,7 +306,8 @@ SECTIONS = {
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sections", nargs="*", default=list(SECTIONS), choices=list(SECTIONS))
-    parser.add_argument("--arch", default="resnet50")
+    parser.add_argument("--arch", default="resnet50",
+                        help="any backbone of sagm_jax.models.backbones")
     parser.add_argument("--image_size", type=int, default=224)
     parser.add_argument("--batch", type=int, default=96)
     parser.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"])

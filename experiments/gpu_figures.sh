@@ -12,7 +12,7 @@
 set -u
 out="$1"; budget="$2"; shift 2
 names=("$@")
-[ ${#names[@]} -eq 0 ] && names=(eval vs_torch packed_mnist packed_resnet50 race steps_loop decode)
+[ ${#names[@]} -eq 0 ] && names=(eval vs_torch packed_mnist packed_resnet50 race steps_loop decode backbones)
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 end=$(( $(date +%s) + budget ))
@@ -26,6 +26,7 @@ command_of() {
     race) echo "python experiments/race_loop.py --device cuda --workers 16 --steps 150 --warmup 20 --rounds 2" ;;
     steps_loop) echo "python experiments/device_report.py --sections steps loop" ;;
     decode) echo "python experiments/bench_decode.py --images 10000" ;;
+    backbones) echo "python experiments/bench_backbones.py --batch 96 --dtypes float32 bfloat16" ;;
     *) echo "" ;;
   esac
 }

@@ -279,7 +279,7 @@ NOT_WEIGHTS = [
     ("w.safetensors", _safetensors(b"[1, 2]", b"")),  # header not a JSON object
     ("w.npz", b"PK\x03\x04 and then nothing"),  # a zip cut short: no central directory
     ("w.npz", b"0123456789" * 10),
-    ("w.bin", b"PK\x03\x04"),  # an extension no reader takes
+    ("w.bin", b"PK\x03\x04"),  # a torch zip (the hub's pytorch_model.bin) cut short
     ("w.h5", b"\x89HDF\r\n\x1a\n"),
 ]
 
