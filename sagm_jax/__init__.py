@@ -10,9 +10,9 @@ Sub-packages, one per part:
             checkpoints, the run directory, its summary, ``load_run``/``preprocess``.
   results   model selection, the result tables, the local sharpness and its curves.
   sweep     ``python -m sagm_jax.sweep``: a grid of runs, DomainBed's random search.
-  models    Flax ResNets with torchvision weights, DomainBed's MNIST CNN, MixStyle.
+  models    the backbones (ResNets, CLIP, DINOv2, RegNetY) and their weights, MixStyle.
   data      DomainBed datasets, splits, the stores and input pipelines.
-  config    every config field and its checks.
+  config    every config field, its checks, the published presets.
 Modules: ``main`` and ``cli`` (the command line), ``collect_results`` and
 ``sharpness_curves`` (``python -m`` commands of ``results``), ``claims``, ``cpu``,
 ``formatting``.
