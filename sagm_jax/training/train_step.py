@@ -179,6 +179,18 @@ class StepMethod(NamedTuple):
     learning_rate: Any = None
 
 
+def _frozen_stopped(params, trainable):
+    """``params`` with the gradient stopped for every parameter ``trainable(params)`` (a
+    tree of bools, or ``trainable`` None: all train) marks False, in every pass, as
+    PyTorch's ``requires_grad=False``: their gradients are 0, so they add nothing to a
+    perturbation's norm, and Adam (whose weight decay leaves them out,
+    ``train.optimizer_from_config``) never moves them."""
+    if trainable is None:
+        return params
+    return jax.tree.map(lambda p, t: p if t else jax.lax.stop_gradient(p), params,
+                        trainable(params))
+
+
 def step_keys(key, step):
     """``(clean, perturbed, objective)``: three independent keys of step ``step`` of a run
     whose step key is ``key``, one split of ``fold_in(key, step)``: the clean pass's
@@ -215,11 +227,7 @@ def make_train_step(
     chain of a plain or sharpness-aware rule, or the ``procedures.Procedure`` of
     ``algorithm`` (Fish, AND-mask, MLDG), which updates from per-domain gradients.
     ``metrics`` holds the reported ``loss`` and the objective's other values.
-    ``trainable`` (``params -> tree of bools``; ``config.attention_only``) stops the
-    gradient of every parameter it marks False in every pass, as PyTorch's
-    ``requires_grad=False``: their gradients are 0, so they add nothing to a
-    perturbation's norm, and Adam (whose weight decay leaves them out,
-    ``train.optimizer_from_config``) never moves them.
+    ``trainable``: see :func:`_frozen_stopped` (``config.attention_only``).
     """
     rule = update_rule(algorithm)
     is_procedure = rule.kind == "procedure"
@@ -232,12 +240,9 @@ def make_train_step(
         perturbed_key = clean_key if shared_dropout else perturbed_key
 
         def forward_at(params, dropout_key, mixstyle=use_mixstyle):
-            if trainable is not None:
-                params = jax.tree.map(lambda p, t: p if t else jax.lax.stop_gradient(p),
-                                      params, trainable(params))
             return _forward(
-                model, params, state.batch_stats, dropout_key, mixstyle, train_batchnorm,
-                compute_dtype,
+                model, _frozen_stopped(params, trainable), state.batch_stats, dropout_key,
+                mixstyle, train_batchnorm, compute_dtype,
             )
 
         def loss_fn(params, dropout_key, mixstyle, objective_state, advance):
