@@ -132,13 +132,12 @@ def create(
     )
 
 
-def convert_resnet(state_dict, arch: str, layout: str | None = None) -> dict:
+def convert_resnet(state_dict, arch: str) -> dict:
     """A ResNet weight file as our variables: its key layout (``resnet_layouts``: a
     torchvision, timm, Barlow Twins or MoCo v3 file, or one ``models.convert`` wrote)
     detected from its keys, so a raw download and its converted file load alike."""
     from sagm_jax.models.resnet_layouts import resnet_state_dict
 
-    del layout  # the keys say it; a backbone's ``layout`` names its published file's
     torchvision_state_dict, _ = resnet_state_dict(state_dict)
     return convert_torchvision(torchvision_state_dict, arch=arch)
 

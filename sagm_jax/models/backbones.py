@@ -55,7 +55,7 @@ class Backbone:
     mixstyle: bool = False  # MixStyle layers between its stages (the ResNets)
     min_image_size: int = 32  # the network's total stride (or its patch)
     batchnorm: bool = True  # has BatchNorm layers (``freeze_batchnorm`` applies)
-    layout: str | None = None  # a ResNet weight file's key layout (``resnet_layouts``)
+    layout: str | None = None  # a ResNet's published file's key layout (``resnet_layouts``)
     # Keyword arguments for the builder beyond ``build``'s (a reduced-size variant's
     # widths and depths, as the tests register them); the published network takes none.
     options: tuple[tuple[str, object], ...] = ()
@@ -129,9 +129,8 @@ def converter(arch: str) -> Callable:
     if backbone.convert is None:
         raise ValueError(f"config.arch={arch} takes no pretrained weights")
     convert = _resolve(backbone.convert)
-    if backbone.layout:
-        return lambda state_dict, image_size=224: convert(state_dict, arch=backbone.network,
-                                                          layout=backbone.layout)
+    if backbone.layout:  # a ResNet: the network's depth, the file's layout from its keys
+        return lambda state_dict, image_size=224: convert(state_dict, arch=backbone.network)
     return convert
 
 
