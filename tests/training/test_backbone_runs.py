@@ -114,3 +114,27 @@ def test_clip_backbones_see_clips_normalisation_of_the_same_image():
     # ImageNet-normalised backbones are left as they are.
     assert type(models.create("tiny_regnet", 3, image_size=32, imagenet_inputs=True)) is type(
         models.create("tiny_regnet", 3, image_size=32))
+
+
+def test_a_run_starts_from_a_backbones_weight_file(tmp_path):
+    """config.pretrained_weights of a DINOv2 hub-layout file (float16, as published
+    checkpoints may be): the run's backbone holds the file's weights (torch Linear [out,
+    in] as our [in, out] kernel), its fresh classifier is kept, its position table is
+    resampled to the run's grid, and the run records the file's SHA-256."""
+    from sagm_jax.config import base_config
+    from sagm_jax.models.synthetic import draw_dinov2_weights
+
+    weights = {k: v.astype(np.float16) for k, v in draw_dinov2_weights(
+        0, width=32, depth=4, checkpoint_grid=5).items()}
+    path = str(tmp_path / "dinov2.safetensors")
+    models.save_weights(weights, path)
+    config = base_config()
+    config.update(arch="tiny_dinov2", pretrained_weights=path, dropout=0.0)
+    model, variables, info = models.from_config(config, 3, (28, 28, 3), jax.random.key(0),
+                                                imagenet_inputs=True)
+    params = variables["params"]
+    np.testing.assert_array_equal(params["blocks_2"]["attn"]["qkv"]["kernel"],
+                                  weights["blocks.2.attn.qkv.weight"].astype(np.float32).T)
+    assert params["pos_embedding"].shape == (1 + 2 * 2, 32)
+    assert params["classifier"]["kernel"].shape == (32 * 5, 3)
+    assert info["sha256"] == models.file_sha256(path)
