@@ -364,12 +364,13 @@ def test_section_gives_one_sections_values():
 def test_config_checks_take_their_names_from_the_registries():
     from sagm_jax.data import registry
     from sagm_jax.models import ARCHS, create
+    from sagm_jax.models.backbones import BACKBONES
     from sagm_jax.methods.registry import OBJECTIVES, UPDATE_RULES
 
     checks = {field.key: field.check for field in all_fields()}
     assert checks["algorithm"].names == tuple(UPDATE_RULES)
     assert checks["objective"].names == tuple(OBJECTIVES)
-    assert checks["arch"].names is ARCHS
+    assert checks["arch"].names is BACKBONES and tuple(BACKBONES) == ARCHS
     assert checks["dataset"].names == tuple(registry.DATASETS)
     for arch in ARCHS:  # every listed architecture is one create() builds
         create(arch, 3, cnn_widths=(8, 8, 8, 8))
