@@ -5,7 +5,8 @@ Sub-packages, one per part:
             (``registry``), the objectives, the sharpness-aware update rules (SAGM,
             SAM, GSAM, DISAM's ascent as optax transforms; the paper's optimizer) and
             the procedures (Fish, AND-mask, MLDG), each registered beside its code.
-  swad      SWAD: the loss valley, the weight averages on the device, SWAD in a run.
+  averaging weight averaging: SWAD (its loss valley, its averages on the device), the
+            moving average of a run, soups and ensembles across runs.
   training  one run: the train state and step, the training program, evaluation,
             checkpoints, the run directory, its summary, ``load_run``/``preprocess``.
   results   model selection, the result tables, the local sharpness and its curves.
@@ -35,7 +36,7 @@ from sagm_jax.methods.update_rules import (
 )
 from sagm_jax.methods.objectives import coral_penalty, mmd_penalty
 from sagm_jax.results.sharpness import sharpness
-from sagm_jax.swad.valley import select_segments
+from sagm_jax.averaging.valley import select_segments
 
 __all__ = [
     "ALGORITHMS",

@@ -165,7 +165,7 @@ def test_the_public_api_is_at_the_top_level():
     import sagm_jax
     from sagm_jax.methods import objectives, update_rules
     from sagm_jax.sweep import hparams
-    from sagm_jax.swad import valley
+    from sagm_jax.averaging import valley
 
     for name in ("sagm", "sam", "gsam", "paper_optimizer"):
         assert getattr(sagm_jax, name) is getattr(update_rules, name)

@@ -342,7 +342,7 @@ SECTION_TITLES = {
     "method": "objective, update rule and their hyperparameters (see sagm_jax.methods)",
     "optimizer": "Adam and the heads' settings (see sagm_jax.methods.update_rules)",
     "step": "train step and devices (see sagm_jax.training.train_step)",
-    "swad": "SWAD weight averaging (see sagm_jax.swad, sagm_jax.swad.averages)",
+    "swad": "SWAD weight averaging (see sagm_jax.averaging.valley, sagm_jax.averaging.swad_averages)",
     "schedule": "schedule",
 }
 

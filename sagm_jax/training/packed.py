@@ -67,7 +67,7 @@ from sagm_jax.config import fields, validate
 from sagm_jax.data.pipeline import prefetch_to_mesh
 from sagm_jax.methods import networks
 from sagm_jax.results.selection import validation_accuracy
-from sagm_jax.swad.run import SwadRun
+from sagm_jax.averaging.swad import SwadRun
 from sagm_jax.training import train as train_lib
 from sagm_jax.training.rundir import RunDir, evaluation_interval, is_evaluation_step
 from sagm_jax.training.summary import print_summary

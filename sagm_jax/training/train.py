@@ -46,9 +46,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from sagm_jax import data as data_lib
 from sagm_jax.models import backbones
 from sagm_jax import formatting
-from sagm_jax.swad import averages as averaging
+from sagm_jax.averaging import swad_averages as averaging
 from sagm_jax.methods import networks, objectives
-from sagm_jax.swad import valley as swad
+from sagm_jax.averaging import valley as swad
 from sagm_jax.training.checkpoints import Checkpoints
 from sagm_jax.config import section, validate
 from sagm_jax.data.pipeline import prefetch_to_mesh
@@ -73,7 +73,7 @@ from sagm_jax.training.rundir import (
     read_wall_time,
 )
 from sagm_jax.results.selection import training_domain_validation, validation_accuracy
-from sagm_jax.swad.run import SwadRun
+from sagm_jax.averaging.swad import SwadRun
 from sagm_jax.training.summary import markdown_test_accuracies, print_summary
 from sagm_jax.training.train_step import create_train_state, data_parallel_train_step
 

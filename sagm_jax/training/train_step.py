@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from sagm_jax.swad import averages as averaging
+from sagm_jax.averaging import swad_averages as averaging
 from sagm_jax.methods import networks, objectives
 from sagm_jax.methods.objectives import per_example_cross_entropy
 from sagm_jax.methods.procedures import BatchPasses
@@ -76,7 +76,7 @@ class TrainState:
     batch_stats: Any  # {} for models without BatchNorm
     opt_state: Any
     objective_state: Any = None  # GroupDRO's q; {} for objectives without state
-    averages: Any = None  # SWAD's weight averages (sagm_jax.swad.averages); {} without SWAD
+    averages: Any = None  # SWAD's weight averages (sagm_jax.averaging.swad_averages); {} without SWAD
 
 
 def create_train_state(variables, optimizer, objective_state=None, averages=None) -> TrainState:
@@ -391,7 +391,7 @@ def data_parallel_train_step(config, model: nn.Module, optimizer, mesh, num_doma
     with the config's objective, its hyperparameters (the "method" section) and DISAM
     over ``num_domains`` training domains. ``optimizer`` must have been built with
     ``axis_name='batch'`` for 'per_device'. With ``config.swad`` the step also takes the
-    new weights into SWAD's segment mean (``sagm_jax.swad.averages``)."""
+    new weights into SWAD's segment mean (``sagm_jax.averaging.swad_averages``)."""
     per_device = config.perturbation == "per_device"
     train_step = run_train_step(config, model, optimizer, num_domains, mesh if per_device else None)
     return jax.jit(train_step, donate_argnums=0)

@@ -1,4 +1,4 @@
-"""SWAD in a run (sagm_jax.swad.run, sagm_jax.swad.averages): the averaged model is the mean of
+"""SWAD in a run (sagm_jax.averaging.swad, sagm_jax.averaging.swad_averages): the averaged model is the mean of
 the per-step weights over the valley's segments, the valley's end stops the run, and
 load_run gives the SWAD model; tests/training/test_train.py kills and resumes a SWAD run."""
 
@@ -8,8 +8,8 @@ import pytest
 
 from sagm_jax.training import loading
 from sagm_jax.training import rundir
-from sagm_jax.swad import valley as swad
-from sagm_jax.swad import run as swad_run
+from sagm_jax.averaging import valley as swad
+from sagm_jax.averaging import swad as swad_run
 from sagm_jax.training import train
 
 from run_fixtures import digits_config

@@ -2,7 +2,7 @@
 
 This module owns the DECISIONS of SWAD (Cha et al., NeurIPS 2021), as the SWAD/SAGM
 trainers' ``LossValley`` makes them (``khanrc/swad``, ``domainbed/swad.py``; docs/swad.md);
-``sagm_jax.swad.averages`` owns the arrays they act on. It is pure Python on the host and
+``sagm_jax.averaging.swad_averages`` owns the arrays they act on. It is pure Python on the host and
 never sees a weight.
 
 Segments. Evaluation ``k`` closes segment ``k``: segment 0 is step 0 alone, segment ``k``

@@ -1,4 +1,4 @@
-"""SWAD's loss valley (sagm_jax.swad) against a re-statement of the reference procedure.
+"""SWAD's loss valley (sagm_jax.averaging.valley) against a re-statement of the reference procedure.
 
 The re-statement below follows SWAD's ``LossValley`` (``khanrc/swad``,
 ``domainbed/swad.py``) line by line, with deques of "models" (a segment's weights as one
@@ -18,8 +18,8 @@ from collections import deque
 import numpy as np
 import pytest
 
-from sagm_jax.swad import valley as swad
-from sagm_jax.swad.valley import QUIRK_FIXES, LossValley, segment_window, select_segments
+from sagm_jax.averaging import valley as swad
+from sagm_jax.averaging.valley import QUIRK_FIXES, LossValley, segment_window, select_segments
 
 EVAL_EVERY = 100  # segment k ends at step k * EVAL_EVERY
 

@@ -1,10 +1,10 @@
-"""sagm_jax.swad.averages: SWAD's running means on the device against NumPy means."""
+"""sagm_jax.averaging.swad_averages: SWAD's running means on the device against NumPy means."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sagm_jax.swad import averages as averaging
+from sagm_jax.averaging import swad_averages as averaging
 
 
 def test_segments_and_the_final_mean_are_plain_means_of_what_they_took():

@@ -1,7 +1,7 @@
 """SWAD's weight averages, kept on the device in the train state.
 
 This module owns the arrays of dense weight averaging (Cha et al., NeurIPS 2021; the
-SWAD/SAGM trainers' ``swa_utils.AveragedModel``); ``sagm_jax.swad`` owns the loss valley
+SWAD/SAGM trainers' ``swa_utils.AveragedModel``); ``sagm_jax.averaging.valley`` owns the loss valley
 that decides which segments the final model averages, from the evaluation losses alone.
 
 A SEGMENT is the run of steps between two evaluations: segment 0 is step 0 alone,

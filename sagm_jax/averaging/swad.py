@@ -24,8 +24,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from sagm_jax.swad import averages as averaging
-from sagm_jax.swad import valley as swad
+from sagm_jax.averaging import swad_averages as averaging
+from sagm_jax.averaging import valley as swad
 from sagm_jax.training.checkpoints import save_swad_variables
 from sagm_jax.training.rundir import make_record
 
