@@ -6,6 +6,8 @@ update rules (``update_rules``: SAM, GSAM, SAGM as optax transforms) and the pro
 fills the registries: each module registers its own entries."""
 
 from sagm_jax.methods.registry import (  # noqa: F401
+    AVERAGINGS,
+    averaging_label,
     DISAM,
     DISAM_PUBLISHED,
     SWAD_PUBLISHED,

@@ -433,6 +433,40 @@ def method_label(objective: str, algorithm: str, disam_lambda: float = 0.0) -> s
     return f"DISAM on {label}" if disam_lambda else label
 
 
+# The averagings across runs (``sagm_jax.averaging``) by name, each with its tables' label:
+# DiWA's uniform and greedy soups (alexrame/diwa), Model Ratatouille's (DiWA's averaging of
+# runs started from auxiliary fine-tunings; facebookresearch/ModelRatatouille), EoA's
+# ensemble of moving averages (salesforce/ensemble-of-averages) and ERM++ (DomainBed's
+# ``ERMPlusPlus`` with its training script ``train_autolr.py``).
+AVERAGINGS = {
+    "diwa_uniform": "DiWA (uniform)",
+    "diwa_greedy": "DiWA (greedy)",
+    "ratatouille_uniform": "Ratatouille (uniform)",
+    "ratatouille_greedy": "Ratatouille (greedy)",
+    "eoa": "EoA",
+    "erm_plusplus": "ERM++",
+}
+
+
+def averaging_label(member_label: str, averaging: str) -> str:
+    """The tables' row of an averaging across runs of ``member_label`` runs (their
+    ``method_label``, with " + SWAD" where the members' SWAD weights are averaged):
+    ``averaging`` alone for ERM's members ("DiWA (uniform)", "EoA", "ERM++"), else
+    "<member label> + <averaging>" ("SAGM + DiWA (uniform)", "SAGM + CORAL + EoA").
+    ``averaging`` is a name of :data:`AVERAGINGS` ("diwa_greedy") or its label
+    ("DiWA (greedy)")."""
+    label = AVERAGINGS.get(averaging, averaging)
+    if label not in AVERAGINGS.values():
+        raise ValueError(
+            f"averaging {averaging!r}: expected one of {', '.join(AVERAGINGS)} or its label "
+            f"({', '.join(AVERAGINGS.values())})."
+        )
+    if not (isinstance(member_label, str) and member_label):
+        raise ValueError(f"member label {member_label!r}: expected a method's label such as "
+                         "'SAGM' (methods.method_label).")
+    return label if member_label == method_label("erm", "erm") else f"{member_label} + {label}"
+
+
 def markdown_table() -> str:
     """The README's table of methods, built from the two tables (a test checks that the
     README holds exactly this): each objective and update rule with its flag, own

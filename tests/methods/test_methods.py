@@ -95,6 +95,35 @@ def test_method_labels_are_the_papers_row_names(objective, algorithm, disam, lab
         assert methods.DISAM_PUBLISHED[label][-1] == "DISAM paper"
 
 
+@pytest.mark.parametrize(
+    "member, averaging, label",
+    [
+        ("ERM", "diwa_uniform", "DiWA (uniform)"),
+        ("ERM", "DiWA (greedy)", "DiWA (greedy)"),
+        ("ERM", "ratatouille_uniform", "Ratatouille (uniform)"),
+        ("ERM", "ratatouille_greedy", "Ratatouille (greedy)"),
+        ("ERM", "eoa", "EoA"),
+        ("ERM", "erm_plusplus", "ERM++"),
+        ("SAGM", "diwa_uniform", "SAGM + DiWA (uniform)"),
+        ("SAGM + CORAL", "EoA", "SAGM + CORAL + EoA"),
+        ("ERM + SWAD", "diwa_greedy", "ERM + SWAD + DiWA (greedy)"),
+        ("DISAM on SAGM", "ratatouille_greedy", "DISAM on SAGM + Ratatouille (greedy)"),
+    ],
+)
+def test_averaging_labels_name_the_members_method_then_the_averaging(member, averaging, label):
+    assert methods.averaging_label(member, averaging) == label
+
+
+@pytest.mark.parametrize("member, averaging, words", [
+    ("SAGM", "soup", ["'soup'", "diwa_uniform", "DiWA (uniform)"]),
+    ("", "eoa", ["member label ''", "method_label"]),
+])
+def test_a_bad_averaging_or_member_label_is_named(member, averaging, words):
+    with pytest.raises(ValueError) as error:
+        methods.averaging_label(member, averaging)
+    assert all(w in str(error.value) for w in words), str(error.value)
+
+
 def test_domainbed_distributions_draw_inside_their_stated_ranges():
     import numpy as np
 
