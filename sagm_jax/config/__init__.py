@@ -248,6 +248,20 @@ FIELDS: dict[str, tuple[Field, ...]] = {
             '"global" (the one-device result) or "per_device" (m-sharpness, another algorithm)',
             checks.OneOf(("global", "per_device")),
         ),
+        Field(
+            "linear_steps",
+            0,
+            "the first linear_steps updates train only the classifier, by an Adam of their "
+            "own at linear_lr (DiWA's linear probe, ERM++'s linear phase); the rule's own "
+            "Adam starts fresh after them",
+            checks.linear_steps,
+        ),
+        Field(
+            "linear_lr",
+            0.0,
+            "the linear probe's learning rate (0 = config.lr)",
+            checks.number(">= 0"),
+        ),
     ),
     "step": (
         Field(

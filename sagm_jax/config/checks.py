@@ -139,3 +139,16 @@ def num_devices(value, config, device_count):
         return "an integer >= 0 (0 = every device)"
     if device_count is not None and value > device_count:
         return f"at most the {device_count} device(s) JAX sees (0 = all of them)"
+
+
+def linear_steps(value, config, device_count):
+    """An integer >= 0; above 0 only with an update rule that is an optax chain (a
+    procedure updates from its own passes, which the probe does not wrap)."""
+    if not is_int(value) or value < 0:
+        return "an integer >= 0 (the number of updates of the classifier alone)"
+    algorithm = config.get("algorithm")
+    if value > 0 and algorithm in rule_names("procedure"):
+        return (
+            f"0 with config.algorithm={algorithm}: a procedure updates from its own passes, "
+            "which the linear probe does not wrap; probe with a plain or sharpness-aware rule"
+        )

@@ -56,6 +56,7 @@ from sagm_jax.data.splits import check_split_record
 from sagm_jax.training.evaluation import Evaluator
 from sagm_jax.methods.registry import update_rule
 from sagm_jax.methods.update_rules import rule_optimizer
+from sagm_jax.methods.linear_probe import linear_probe, probe_learning_rate
 from sagm_jax.methods.procedures import make_procedure
 from sagm_jax.training.rundir import (
     CHECKPOINTS,
@@ -138,7 +139,9 @@ def optimizer_from_config(
     """The one place that turns a config into the update rule ``config.algorithm``, a
     lookup in ``sagm_jax.methods.UPDATE_RULES``: a plain or sharpness-aware rule through
     :func:`sagm_jax.methods.update_rules.rule_optimizer` (its head, then Adam with the
-    "optimizer" section), a procedure (Fish, AND-mask, MLDG) through
+    "optimizer" section; preceded by ``linear_steps`` updates of the classifier alone,
+    :func:`sagm_jax.methods.linear_probe.linear_probe`), a procedure (Fish, AND-mask,
+    MLDG) through
     :func:`sagm_jax.methods.procedures.make_procedure` over ``num_domains`` training
     domains; each reads its own hyperparameters from the "method" section. A method's
     own parameters train at its ``learning_rate_multiplier`` times lr (MIRO's encoders).
@@ -154,12 +157,21 @@ def optimizer_from_config(
         )
     per_device = adam["perturbation"] == "per_device"
     network, method_hp = networks.method_network(config)
-    return rule_optimizer(
+    mask = _decay_mask(config, network, method_hp)
+    rule = rule_optimizer(
         config.algorithm, hp, learning_rate=adam["lr"], weight_decay=adam["weight_decay"],
         adaptive=adam["adaptive"], perturbation=adam["perturbation"],
         axis_name=axis_name if per_device else None,
-        decay_mask=_decay_mask(config, network, method_hp),
+        decay_mask=mask,
         group_learning_rates=networks.group_learning_rates(network, method_hp),
+    )
+    if isinstance(adam["linear_steps"], int) and adam["linear_steps"] == 0:
+        return rule  # no probe: the rule's own state, as runs without one keep it
+    return linear_probe(
+        rule, linear_steps=adam["linear_steps"],
+        learning_rate=probe_learning_rate(adam["linear_lr"], adam["lr"]),
+        weight_decay=adam["weight_decay"], decay_mask=mask,
+        axis_name=axis_name if per_device else None,
     )
 
 

@@ -269,7 +269,7 @@ def make_train_step(
             objective_state, metrics, batch_stats = aux.state, aux.metrics, aux.batch_stats
             grad_fn = _perturbed_gradient(loss_fn, perturbed_key, use_mixstyle, objective_state)
             updates, opt_state = optimizer.update(
-                grads, opt_state, state.params, grad_fn=grad_fn, **extra
+                grads, opt_state, state.params, grad_fn=grad_fn, step=state.step, **extra
             )
         if axis_name is not None:
             metrics, batch_stats = jax.lax.pmean((metrics, batch_stats), axis_name)
