@@ -7,6 +7,7 @@ fills the registries: each module registers its own entries."""
 
 from sagm_jax.methods.registry import (  # noqa: F401
     AVERAGINGS,
+    AVERAGING_PUBLISHED,
     averaging_label,
     DISAM,
     DISAM_PUBLISHED,

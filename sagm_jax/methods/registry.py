@@ -352,16 +352,38 @@ SWAD_PUBLISHED = {
     "CORAL + SWAD": (88.3, 78.9, 71.3, 51.0, 46.8, 67.3, "SWAD paper"),
     "MIRO + SWAD": (None, None, None, None, None, 68.1, "MIRO README"),
 }
+# Published rows of the averagings across runs (``AVERAGINGS``' labels, ERM members,
+# ResNet-50), each the variant its source names. DiWA's README (alexrame/diwa), "LP" init
+# rows: "Uniform" and "Restricted" (the greedy soup) average the 20 runs of one data split
+# (trial seed), the figure being the mean over 3 splits; "DiWA† Uniform" averages the 60
+# runs of the 3 splits (our "(uniform, 3 splits)" rows). Model Ratatouille's README
+# (facebookresearch/ModelRatatouille): "Uniform", "Greedy" and "Uniform†" likewise. EoA's
+# README prints its table as an image and the ERM++ README (piotr-teterwak/erm_plusplus)
+# and DomainBed's print none: their rows name the paper, with no figure.
+AVERAGING_PUBLISHED = {
+    "DiWA (uniform)": (88.7, 78.4, 72.1, 51.4, 47.4, 67.6, "DiWA README, uniform, LP init"),
+    "DiWA (greedy)": (88.0, 78.5, 71.5, 51.6, 47.7, 67.5, "DiWA README, restricted, LP init"),
+    "DiWA (uniform, 3 splits)": (89.0, 78.6, 72.8, 51.9, 47.7, 68.0,
+                                 "DiWA README, DiWA† uniform, LP init"),
+    "Ratatouille (uniform)": (89.5, 78.5, 73.1, 51.8, 47.5, 68.1, "Ratatouille README, uniform"),
+    "Ratatouille (greedy)": (90.5, 78.7, 73.4, 49.2, 47.7, 67.9, "Ratatouille README, greedy"),
+    "Ratatouille (uniform, 3 splits)": (89.8, 78.3, 73.5, 52.0, 47.7, 68.3,
+                                        "Ratatouille README, uniform†"),
+    "EoA": (None,) * 6 + ("EoA paper; its README's table is an image",),
+    "ERM++": (None,) * 6 + ("ERM++ paper; no README prints its figures",),
+}
 
 
 def published() -> dict[str, tuple]:
     """Every published row by its tables' name (``method_label``, "+ SWAD" rows as the
-    tables name them): the registered methods' numbers, DISAM's and SWAD's rows."""
+    tables name them, ``averaging_label``): the registered methods' numbers, DISAM's,
+    SWAD's and the averagings' rows."""
     rows = {method_label(o, "erm"): entry.method.published for o, entry in OBJECTIVES.items()}
     rows.update({method_label("erm", r): rule.method.published
                  for r, rule in UPDATE_RULES.items()})
     rows.update(DISAM_PUBLISHED)
     rows.update(SWAD_PUBLISHED)
+    rows.update(AVERAGING_PUBLISHED)
     return {label: numbers for label, numbers in rows.items() if numbers}
 
 
@@ -497,7 +519,8 @@ def markdown_table() -> str:
     disam = Method("DISAM", "DISAM", (DISAM,), "", "Zhang et al. 2024 (on sam, gsam, sagm)")
     rows.append(row(disam, "disam_lambda"))
     rows += [f"| {label} | | | {numbers[6]} | {published_text(numbers)} |"
-             for label, numbers in {**DISAM_PUBLISHED, **SWAD_PUBLISHED}.items()]
+             for label, numbers in {**DISAM_PUBLISHED, **SWAD_PUBLISHED,
+                                    **AVERAGING_PUBLISHED}.items()]
     return "\n".join(rows)
 
 

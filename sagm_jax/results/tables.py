@@ -8,7 +8,9 @@ Tables (accuracy in %):
     mean +- standard error over trial seeds, where (as DomainBed's
     ``collect_results.format_mean``) s.e. = ``np.std(x) / sqrt(n)``, i.e. the
     population std (ddof=0). A seed counts only when every test environment of
-    the dataset has a selected run for it.
+    the dataset has a selected run for it. The paper's rows are followed by the
+    averagings across runs (DiWA's and Model Ratatouille's soups, EoA, ERM++), each
+    "<member> + <averaging>" row after its averaging's, with their published averages.
   * one table per dataset, each test environment a column (mean +- s.e. over seeds);
   * Table 2: in-domain (``split="in_domain"`` runs, ``selection.in_domain_run``)
     next to out-of-domain (Table 1's entry) for every dataset with in-domain runs;
@@ -47,12 +49,20 @@ ABLATION_ALGORITHMS = ("erm", "sam", "erm_sam", "sagm")
 TABLE_2_OBJECTIVES = ("mixup", "cutmix")
 
 
+# The rows of the averagings across runs of ERM runs (``methods.averaging_label``) with
+# the published variants (``methods.AVERAGING_PUBLISHED``: DiWA's and Ratatouille's
+# uniform, greedy and "3 splits" soups, EoA, ERM++); "<member> + <averaging>" rows of
+# other members follow their averaging's row.
+AVERAGING_ROWS = tuple(methods.AVERAGING_PUBLISHED)
+
+
 def _row_order() -> tuple[str, ...]:
     """Every method row, in the paper's order: ERM, its Table 2 objectives and MixStyle,
     the procedures, DomainBed's other objectives, the heads (each followed by its
-    MixStyle row), then the heads' combinations with objectives, then DISAM's rows:
-    each label from ``methods.method_label``, each combination one that
-    ``methods.combination_problem`` accepts."""
+    MixStyle row), then the heads' combinations with objectives, then DISAM's rows,
+    then the averagings' (:data:`AVERAGING_ROWS`): each label from
+    ``methods.method_label``, each combination one that ``methods.combination_problem``
+    accepts."""
     label = methods.method_label
     others = [o for o in methods.OBJECTIVES if o not in ("erm", *TABLE_2_OBJECTIVES)]
     rows = [label("erm", "erm"), *(label(o, "erm") for o in TABLE_2_OBJECTIVES)]
@@ -67,13 +77,13 @@ def _row_order() -> tuple[str, ...]:
             for o in methods.OBJECTIVES
             if (o != "erm" or disam) and methods.combination_problem(o, h, disam) is None
         ]
-    return tuple(rows)
+    return tuple(rows) + AVERAGING_ROWS
 
 
 ROW_ORDER = _row_order()
 # The rows of the paper's Table 1 (Wang et al. 2023), in its order: by published average,
 # the sharpness-aware rules last. Each is ``(objective, update rule)``; MixStyle's row is
-# ERM's with the MixStyle suffix.
+# ERM's with the MixStyle suffix. The averagings' rows follow (:data:`AVERAGING_ROWS`).
 _TABLE_1 = (
     ("mmd", "erm"), "mixstyle", ("groupdro", "erm"), ("irm", "erm"), ("arm", "erm"),
     ("vrex", "erm"), ("erm", "cdann"), ("erm", "and_mask"), ("erm", "dann"), ("rsc", "erm"),
@@ -83,7 +93,7 @@ _TABLE_1 = (
 )
 TABLE_1_ROWS = tuple(
     ERM + MIXSTYLE if row == "mixstyle" else methods.method_label(*row) for row in _TABLE_1
-)
+) + AVERAGING_ROWS
 # The rows of the paper's Table 2, shown with "-" when the sweep has no runs of them.
 TABLE_2_ROWS = (
     *ROW_ORDER[: ROW_ORDER.index(ERM + MIXSTYLE) + 1],
@@ -174,10 +184,20 @@ def dataset_order(name: str):
     )
 
 
+def averaging_of(name: str) -> str | None:
+    """The averaging row (:data:`AVERAGING_ROWS`) that row ``name`` is an averaging of
+    other members by ("SAGM + DiWA (uniform)": "DiWA (uniform)"), else None."""
+    return next((row for row in AVERAGING_ROWS if name.endswith(" + " + row)), None)
+
+
 def method_order(name: str):
     """Sort key of the rows: ``ROW_ORDER``'s; a MixStyle row not listed there follows its
-    method; other names (DomainBed's) come last, alphabetically; a "+ SWAD" row comes
-    right after its method's row."""
+    method; a "<member> + <averaging>" row follows its averaging's row; other names
+    (DomainBed's) come last, alphabetically; a "+ SWAD" row comes right after its
+    method's row."""
+    averaging = averaging_of(name)
+    if averaging is not None:
+        return (ROW_ORDER.index(averaging), 2, name, False)
     swad = name.endswith(SWAD)
     name = name[: -len(SWAD)] if swad else name
     base = name[: -len(MIXSTYLE)] if name.endswith(MIXSTYLE) else name
@@ -190,8 +210,11 @@ def method_order(name: str):
 
 def table_1_order(name: str):
     """Sort key of Table 1's rows: the paper's rows in its order (``TABLE_1_ROWS``), each
-    followed by its MixStyle and "+ SWAD" rows; then the other rows by
-    :func:`method_order`."""
+    followed by its MixStyle and "+ SWAD" rows, an averaging's row by those of other
+    members' ("SAGM + DiWA (uniform)"); then the other rows by :func:`method_order`."""
+    averaging = averaging_of(name)
+    if averaging is not None:
+        return (0, TABLE_1_ROWS.index(averaging), 2, name)
     swad = name.endswith(SWAD)
     base = name[: -len(SWAD)] if swad else name
     mixstyle = base.endswith(MIXSTYLE) and base not in TABLE_1_ROWS

@@ -114,6 +114,31 @@ def test_averaging_labels_name_the_members_method_then_the_averaging(member, ave
     assert methods.averaging_label(member, averaging) == label
 
 
+def test_the_methods_table_holds_the_averagings_published_rows():
+    """The per-dataset figures (PACS / VLCS / OfficeHome / TerraInc / DomainNet / avg) as
+    the DiWA README (alexrame/diwa: its "LP" init rows "Uniform", "Restricted" and
+    "DiWA† Uniform") and the Model Ratatouille README (facebookresearch/ModelRatatouille:
+    "Uniform", "Greedy", "Uniform†") print them; none for EoA and ERM++, whose READMEs
+    print no figure as text."""
+    printed = {
+        "DiWA (uniform)": "88.7 / 78.4 / 72.1 / 51.4 / 47.4 / 67.6",
+        "DiWA (greedy)": "88.0 / 78.5 / 71.5 / 51.6 / 47.7 / 67.5",
+        "DiWA (uniform, 3 splits)": "89.0 / 78.6 / 72.8 / 51.9 / 47.7 / 68.0",
+        "Ratatouille (uniform)": "89.5 / 78.5 / 73.1 / 51.8 / 47.5 / 68.1",
+        "Ratatouille (greedy)": "90.5 / 78.7 / 73.4 / 49.2 / 47.7 / 67.9",
+        "Ratatouille (uniform, 3 splits)": "89.8 / 78.3 / 73.5 / 52.0 / 47.7 / 68.3",
+        "EoA": "- / - / - / - / - / -",
+        "ERM++": "- / - / - / - / - / -",
+    }
+    lines = {line.split(" | ")[0][2:]: line for line in methods.markdown_table().splitlines()}
+    for row, figures in printed.items():
+        assert lines[row].endswith(f"| {figures} ({methods.published()[row][6]}) |"), row
+    for label in methods.AVERAGINGS.values():  # every averaging has its published row
+        assert label in printed
+    assert "DiWA README, restricted" in methods.published()["DiWA (greedy)"][6]
+    assert "uniform†" in methods.published()["Ratatouille (uniform, 3 splits)"][6]
+
+
 @pytest.mark.parametrize("member, averaging, words", [
     ("SAGM", "soup", ["'soup'", "diwa_uniform", "DiWA (uniform)"]),
     ("", "eoa", ["member label ''", "method_label"]),

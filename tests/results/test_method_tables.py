@@ -71,6 +71,21 @@ def make_runs():
 
 
 RUNS = make_runs()
+# Table 1's rows of the averagings across runs, after the paper's: the published average
+# and its source, as the DiWA README (alexrame/diwa, "LP" init rows: "Restricted" is the
+# greedy soup, "DiWA†" the soup of the 60 runs of 3 data splits) and the Model
+# Ratatouille README (facebookresearch/ModelRatatouille) print them; EoA's README prints
+# its table as an image and no README of ERM++ prints its figures.
+AVERAGINGS_PUBLISHED = {
+    "DiWA (uniform)": ("67.6", "DiWA README, uniform, LP init"),
+    "DiWA (greedy)": ("67.5", "DiWA README, restricted, LP init"),
+    "DiWA (uniform, 3 splits)": ("68.0", "DiWA README, DiWA† uniform, LP init"),
+    "Ratatouille (uniform)": ("68.1", "Ratatouille README, uniform"),
+    "Ratatouille (greedy)": ("67.9", "Ratatouille README, greedy"),
+    "Ratatouille (uniform, 3 splits)": ("68.3", "Ratatouille README, uniform†"),
+    "EoA": ("-", "EoA paper; its README's table is an image"),
+    "ERM++": ("-", "ERM++ paper; no README prints its figures"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -250,15 +265,17 @@ def test_tables_1_and_per_dataset_list_the_new_rows_in_order(sweep_dir):
         "SAGM",
     ]
     rows = table(report, "Table 1")[1:]
-    assert [r.split(" | ")[0][2:] for r in rows] == paper + [
-        "SAGM + MixStyle",
+    assert [r.split(" | ")[0][2:] for r in rows] == paper + ["SAGM + MixStyle"] + [
+        *AVERAGINGS_PUBLISHED,
         "SAGM + CORAL",
         "DISAM on SAGM",
     ]
     published = {r.split(" | ")[0][2:]: r.split(" | ")[-1].rstrip(" |") for r in rows}
     assert published["SAGM"] == "66.1 (SAGM paper)" and published["DANN"] == "62.6 (DomainBed)"
     assert published["MIRO"] == "65.9 (MIRO README)" and published["SelfReg"] == "-"
-    assert table(report, "Table 1")[-3].split(" | ")[1] != "-"  # SAGM + MixStyle ran
+    for row, (average, source) in AVERAGINGS_PUBLISHED.items():
+        assert published[row] == f"{average} ({source})"
+    assert rows[paper.index("SAGM") + 1].split(" | ")[1] != "-"  # SAGM + MixStyle ran
     fish = 100 * per_seed("Fish", "domainbed")
     assert f"| Fish | {fish.mean():.1f} ± {fish.std() / 2:.1f} | {fish.mean():.1f} |" in report
 
@@ -294,3 +311,35 @@ def test_leave_one_out_without_pairs_says_what_is_missing_and_the_command(sweep_
     assert sorted(launched, key=key) == sorted(expected, key=key)
     # Training-domain validation needs no pairs: no such note.
     assert "Leave-one-domain-out needs" not in collect_results.build_report(sweep_dir)
+
+
+def test_averagings_of_other_members_follow_their_averagings_row_in_table_1():
+    """Soup rows ("SAGM + DiWA (uniform)", "SAGM + CORAL + EoA") land right after their
+    averaging's row, the ERM soup's cell being the mean over trial seeds of the mean over
+    test environments, its s.e. the population std over sqrt(seeds) (restated here)."""
+    from sagm_jax.results import tables
+
+    accuracies = {  # row -> {(trial seed, test env): accuracy}
+        "DiWA (uniform)": {(0, 0): 0.90, (0, 1): 0.80, (1, 0): 0.86, (1, 1): 0.78},
+        "SAGM + DiWA (uniform)": {(0, 0): 0.91, (0, 1): 0.82, (1, 0): 0.88, (1, 1): 0.80},
+        "SAGM + CORAL + EoA": {(0, 0): 0.70, (0, 1): 0.60, (1, 0): 0.72, (1, 1): 0.64},
+        "SAGM": {(0, 0): 0.85, (0, 1): 0.75, (1, 0): 0.83, (1, 1): 0.77},
+    }
+    chosen, groups = {}, {}
+    for row, values in accuracies.items():
+        for (seed, env), accuracy in values.items():
+            chosen["domainbed", "PACS", row, seed, env] = accuracy
+            groups["domainbed", "PACS", row, seed, env] = {"setting": [(env,)]}
+    sweep = tables.Sweep(chosen, groups, "domainbed")
+    rows = tables.table_1(sweep, "training-domain validation", False, "±").splitlines()[4:]
+    names = [r.split(" | ")[0][2:] for r in rows]
+    diwa = names.index("DiWA (uniform)")
+    assert names[diwa + 1 : diwa + 3] == ["SAGM + DiWA (uniform)", "DiWA (greedy)"]
+    assert names[names.index("EoA") + 1] == "SAGM + CORAL + EoA"
+    assert names.index("SAGM") < diwa and names[-1] == "ERM++"
+    for row, values in accuracies.items():
+        per_seed = 100 * np.array([np.mean([values[s, 0], values[s, 1]]) for s in (0, 1)])
+        cell = f"{per_seed.mean():.1f} ± {np.std(per_seed) / np.sqrt(2):.1f}"
+        assert rows[names.index(row)].startswith(f"| {row} | {cell} | {per_seed.mean():.1f} |")
+    assert rows[diwa].endswith("| 67.6 (DiWA README, uniform, LP init) |")
+    assert rows[diwa + 1].endswith("| - |")  # no published SAGM + DiWA row
