@@ -53,6 +53,23 @@ DomainBed's ``vit_dropout``: the same distribution, drawn under that name (pass
 ``arch``). As each name has its own generator, leaving the other draws out changes none
 of the draws we make.
 
+DiWA's search space (``space="diwa"``, :func:`diwa_hparams`): the "mild" ranges of
+alexrame/diwa's ``domainbed/hparams_registry.py`` (its ``## DiWA ##`` block, SWAD's ranges),
+which replace the shared lr, weight_decay and batch_size on EVERY dataset (the reference
+comments out its per-dataset ones, MNIST's included), drawn and seeded as above (its
+``train.py`` passes ``seed_hash(hparams_seed, trial_seed)``; its ``_hparam`` seeds each
+name's own ``RandomState``); the method's own hyperparameters are drawn as in DomainBed's
+space:
+
+=================  ===============================================================
+DiWA name          default; draw (every dataset)
+=================  ===============================================================
+lr                 5e-5; choice {1e-5, 3e-5, 5e-5}
+weight_decay       0; choice {1e-4, 1e-6}
+batch_size         32; fixed 32 (ARM's and MNIST's included)
+resnet_dropout     0; choice {0, 0.1, 0.5} (not drawn on the MNIST-like datasets)
+=================  ===============================================================
+
 Each objective's and update rule's own hyperparameters are drawn from the
 ``Distribution`` of its registry entry in :mod:`sagm_jax.methods` (DomainBed's), under
 DomainBed's name (:data:`DOMAINBED_NAMES`). DomainBed has no sharpness-aware method; OUR
@@ -110,6 +127,8 @@ MNIST_METHOD_HPARAMS = {
 }
 
 DISAM_DRAW = log_uniform(-2, 0)
+# The search spaces of :func:`random_hparams`: DomainBed's, and DiWA's mild ranges.
+SPACES = ("domainbed", "diwa")
 # The backbones whose head dropout DomainBed calls ``vit_dropout`` (no feature maps).
 VIT_ARCHS = tuple(name for name, b in BACKBONES.items() if not b.feature_maps)
 # DomainBed's ``batch_size`` of an objective outside SMALL_IMAGES, default and every draw:
@@ -151,13 +170,27 @@ def shared_hparams(dataset: str, objective: str = "erm") -> tuple[Hyperparameter
     )
 
 
+def diwa_shared_hparams(dataset: str) -> tuple[Hyperparameter, ...]:
+    """lr, batch_per_env, weight_decay (and dropout, but on the MNIST-like datasets, whose
+    CNN has none) with DiWA's defaults and mild distributions (alexrame/diwa
+    ``domainbed/hparams_registry.py``, ``## DiWA ##``: the same on every dataset)."""
+    shared = (
+        Hyperparameter("lr", 5e-5, "", "", choice((1e-5, 3e-5, 5e-5))),
+        Hyperparameter("batch_per_env", 32, "", "", fixed(32)),
+        Hyperparameter("weight_decay", 0.0, "", "", choice((1e-4, 1e-6))),
+        Hyperparameter("dropout", 0.0, "", "", choice((0.0, 0.1, 0.5))),
+    )
+    return shared[:3] if is_mnist_like(dataset) else shared
+
+
 def searched_hparams(
-    algorithm: str, dataset: str, objective: str = "erm", disam_lambda: float = 0.0
+    algorithm: str, dataset: str, objective: str = "erm", disam_lambda: float = 0.0,
+    space: str = "domainbed",
 ) -> tuple[Hyperparameter, ...]:
     """Every hyperparameter the search draws for the method and dataset, each with its
-    default and distribution: the shared ones, the objective's, the update rule's, and
-    DISAM's when ``disam_lambda`` > 0 (its
-    default then)."""
+    default and distribution: the shared ones (DiWA's with ``space="diwa"``, which then
+    win over a method's per-dataset ones), the objective's, the update rule's, and
+    DISAM's when ``disam_lambda`` > 0 (its default then)."""
     own = [
         *methods.OBJECTIVES[objective].method.hyperparameters,
         *methods.UPDATE_RULES[algorithm].method.hyperparameters,
@@ -169,10 +202,14 @@ def searched_hparams(
                           distribution=MNIST_METHOD_HPARAMS[h.key][1])
                if h.key in MNIST_METHOD_HPARAMS else h for h in own]
     changed = dataset_hparams(algorithm, dataset, objective)
+    shared = shared_hparams(dataset, objective)
+    if space == "diwa":
+        shared = diwa_shared_hparams(dataset)
+        changed = {k: v for k, v in changed.items() if k not in {h.key for h in shared}}
     return tuple(
         h._replace(default=changed[h.key][0], distribution=changed[h.key][1])
         if h.key in changed else h
-        for h in shared_hparams(dataset, objective) + tuple(own)
+        for h in shared + tuple(own)
         if h.distribution is not None or h.key in changed
     )
 
@@ -196,11 +233,13 @@ def random_hparams(
     objective: str = "erm",
     disam_lambda: float = 0.0,
     arch: str | None = None,
+    space: str = "domainbed",
 ) -> dict:
     """``{config key: value}`` of setting ``hparams_seed`` (0 = DomainBed's defaults) for
     the update rule ``algorithm`` with ``objective`` (and DISAM at ``disam_lambda`` > 0,
     its setting-0 value) on ``dataset``, drawn as DomainBed draws (module docstring);
-    on a ViT ``arch`` the dropout under DomainBed's name ``vit_dropout``.
+    on a ViT ``arch`` the dropout under DomainBed's name ``vit_dropout``. ``space``
+    (:data:`SPACES`) "diwa" draws the shared keys from DiWA's mild ranges instead.
 
     >>> random_hparams("erm", "PACS", 0, 0)
     {'lr': 5e-05, 'batch_per_env': 32, 'weight_decay': 0.0, 'dropout': 0.0}
@@ -214,7 +253,9 @@ def random_hparams(
         raise ValueError(problem)
     if not (isinstance(hparams_seed, int) and hparams_seed >= 0):
         raise ValueError(f"hparams_seed {hparams_seed!r}: expected an integer >= 0.")
-    hparams = searched_hparams(algorithm, dataset, objective, disam_lambda)
+    if space not in SPACES:
+        raise ValueError(f"search space {space!r}: expected one of {', '.join(SPACES)}.")
+    hparams = searched_hparams(algorithm, dataset, objective, disam_lambda, space)
     if hparams_seed == 0:
         return {h.key: h.default for h in hparams}
     setting = seed_hash(hparams_seed, trial_seed)
@@ -227,3 +268,23 @@ def random_hparams(
         )
         for h in hparams
     }
+
+
+def diwa_hparams(
+    dataset: str,
+    hparams_seed: int,
+    trial_seed: int,
+    algorithm: str = "erm",
+    objective: str = "erm",
+    disam_lambda: float = 0.0,
+    arch: str | None = None,
+) -> dict:
+    """A member's setting in DiWA's search (alexrame/diwa: ``hparams_registry._hparams``'
+    ``## DiWA ##`` block, seeded as its ``train.py``): :func:`random_hparams` with
+    ``space="diwa"``; ``hparams_seed`` 0 is its defaults.
+
+    >>> diwa_hparams("PACS", 0, 0)
+    {'lr': 5e-05, 'batch_per_env': 32, 'weight_decay': 0.0, 'dropout': 0.0}
+    """
+    return random_hparams(algorithm, dataset, hparams_seed, trial_seed, objective,
+                          disam_lambda, arch, space="diwa")

@@ -6,6 +6,7 @@ Several algorithms (erm, coral, mixup, irm, fish, and_mask, mldg, sagm), dataset
 DomainNet, RotatedMNIST, and our RotatedDigits with MNIST's) and seeds; setting 0 is
 DomainBed's defaults."""
 
+import collections
 import hashlib
 import itertools
 
@@ -247,3 +248,66 @@ def test_a_vit_draws_its_dropout_as_domainbeds_vit_dropout():
             k: v for k, v in resnet.items() if k != "dropout"}
         differ += vit["dropout"] != resnet["dropout"]
     assert differ  # the two names draw different values for some settings
+
+
+def diwa_setting(algorithm, dataset, hparams_seed, trial_seed):
+    """alexrame/diwa's ``hparams_registry._hparams`` (its ``## DiWA ##`` block replaces the
+    dataset-dependent lr, weight_decay and batch_size on every dataset) as its
+    ``train.py`` calls it: defaults at hparams_seed 0, else the random values of
+    ``seed_hash(hparams_seed, trial_seed)``."""
+    random_seed = db_seed_hash(hparams_seed, trial_seed)
+    hparams = {}
+
+    def _hparam(name, default_val, random_val_fn):
+        assert name not in hparams
+        random_state = np.random.RandomState(db_seed_hash(random_seed, name))
+        hparams[name] = (default_val, random_val_fn(random_state))
+
+    _hparam("data_augmentation", True, lambda r: True)
+    _hparam("resnet18", False, lambda r: False)
+    _hparam("resnet_dropout", 0.0, lambda r: r.choice([0.0, 0.1, 0.5]))
+    _hparam("class_balanced", False, lambda r: False)
+    _hparam("nonlinear_classifier", False, lambda r: bool(r.choice([False, False])))
+    if algorithm in ("MMD", "CORAL"):
+        _hparam("mmd_gamma", 1.0, lambda r: 10 ** r.uniform(-1, 1))
+    _hparam("lr", 5e-5, lambda r: r.choice([1e-5, 3e-5, 5e-5]))
+    _hparam("weight_decay", 0, lambda r: r.choice([1e-4, 1e-6]))
+    _hparam("batch_size", 32, lambda r: 32)
+    values = {name: pair[0] if hparams_seed == 0 else pair[1] for name, pair in hparams.items()}
+    expected = {OUR_KEYS[name]: v for name, v in values.items() if name in OUR_KEYS}
+    if dataset in SMALL_IMAGES:
+        del expected["dropout"]  # the MNIST CNN has none
+    return expected
+
+
+@pytest.mark.parametrize("db_algorithm", ["ERM", "CORAL"])
+def test_diwa_space_draws_the_references_mild_ranges(db_algorithm):
+    from sagm_jax.sweep.hparams import diwa_hparams
+
+    algorithm, objective = OURS[db_algorithm]
+    seen = collections.defaultdict(set)
+    for dataset, (hparams_seed, trial_seed) in itertools.product(DATASETS, SEEDS):
+        want = diwa_setting(db_algorithm, dataset, hparams_seed, trial_seed)
+        got = diwa_hparams(dataset, hparams_seed, trial_seed, algorithm, objective)
+        assert got == want, (dataset, hparams_seed, trial_seed)
+        assert got == random_hparams(algorithm, dataset, hparams_seed, trial_seed, objective,
+                                     space="diwa")
+        for key in ("lr", "weight_decay", "dropout"):
+            seen[key].add(got.get(key))
+    assert seen["lr"] == {1e-5, 3e-5, 5e-5} and seen["weight_decay"] == {0.0, 1e-4, 1e-6}
+    assert diwa_hparams("PACS", 0, 1) == {
+        "lr": 5e-5, "batch_per_env": 32, "weight_decay": 0.0, "dropout": 0.0
+    }
+
+
+def test_diwa_space_keeps_the_methods_own_draws_and_refuses_an_unknown_space():
+    from sagm_jax.sweep.hparams import diwa_hparams
+
+    drawn = diwa_hparams("PACS", 4, 1, algorithm="sagm")
+    assert drawn == {**diwa_setting("ERM", "PACS", 4, 1), **{
+        k: v for k, v in our_heads("PACS", 4, 1).items() if k in ("rho", "alpha")
+    }}
+    # ARM's fixed batch of 8 is DomainBed's; DiWA's registry fixes 32 for every method.
+    assert diwa_hparams("PACS", 4, 1, objective="arm")["batch_per_env"] == 32
+    with pytest.raises(ValueError, match="search space 'soup': expected one of domainbed, diwa"):
+        random_hparams("erm", "PACS", 1, 0, space="soup")
