@@ -173,9 +173,12 @@ def recorded_algorithm(record: dict) -> str:
 
 def method_name(record: dict) -> str:
     """The row of a record: ``methods.method_label`` (+ " + MixStyle"; + " + SWAD" for a
-    SWAD record, which has ``"swad"``), or DomainBed's ``args.algorithm`` + " (DomainBed)"."""
+    SWAD record, which has ``"swad"``), or DomainBed's ``args.algorithm`` + " (DomainBed)";
+    a combined run's (a soup, an ensemble) is its label (``rundir.combined_label``)."""
     if is_domainbed(record):
         return f"{record['args']['algorithm']}{DOMAINBED}"
+    if rundir.combined_label(record):  # a soup's or an ensemble's (sagm_jax.averaging)
+        return rundir.combined_label(record)
     objective, algorithm, disam = method_of(record)
     if objective in methods.OBJECTIVES and algorithm in methods.UPDATE_RULES:
         label = methods.method_label(objective, algorithm, disam)

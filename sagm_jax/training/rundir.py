@@ -54,8 +54,21 @@ DONE = "done"
 WALL_TIME = "wall_time.json"  # the seconds of the launch that finished the run
 SWAD_RESULTS = "swad.jsonl"  # the SWAD model's one record (a SWAD run)
 SWAD_MODEL = "swad_model"  # the SWAD model's variables
+# A run combined from finished runs (a soup or an ensemble, ``sagm_jax.averaging``): its
+# config.json is its first member's with these two keys, and its one record's row is
+# the label (:func:`combined_label`).
+COMBINED_LABEL = "combined_label"
+COMBINED_MEMBERS = "combined_members"
 MIXSTYLE = " + MixStyle"  # what MixStyle adds to a method's label
 MIXSTYLE2 = " + Mixstyle2"  # MixStyle across domains (``mixstyle_mix="crossdomain"``)
+
+
+def combined_label(record: dict) -> str | None:
+    """The label of a record of a run combined from finished runs (a soup, an ensemble:
+    its config's :data:`COMBINED_LABEL`), the row the tables put it in; None for any
+    other record."""
+    config = record.get("config")
+    return config.get(COMBINED_LABEL) if isinstance(config, dict) else None
 
 
 def mixstyle_suffix(config_dict) -> str:
@@ -212,9 +225,12 @@ def check_steps(path: str, records: list[dict], finished: bool, before: int | No
     when ``finished``, those before step ``before`` (a run resumed there), else a prefix.
     A finished SWAD run that stopped at the end of its loss valley (:func:`stops_early`)
     holds a prefix. Records without a ``config`` (DomainBed's) or whose config lacks
-    ``steps`` or ``eval_every`` are not checked."""
+    ``steps`` or ``eval_every`` are not checked, nor a combined run's
+    (:func:`combined_label`: one record of its own, at its members' latest step)."""
     config = records[0].get("config") if records else None
     if not isinstance(config, dict) or not {"steps", "eval_every"} <= set(config):
+        return
+    if config.get(COMBINED_LABEL):
         return
     expected = evaluation_steps(int(config["steps"]), evaluation_interval(config))
     steps = [r["step"] for r in records]
@@ -291,7 +307,8 @@ def record_algorithm(config_dict: dict) -> str:
     ``collect_results`` reads it (one row per ``args.algorithm``), so that its rows tell
     our methods apart. DomainBed's class name where it has one (:data:`DOMAINBED_ALGORITHMS`,
     ``CORAL``, ``Fish``), else ``methods.method_label`` ("SAGM + CORAL", "DISAM on SAGM"),
-    with :func:`mixstyle_suffix`. Only the record holds it: ``hparams_seed`` and
+    with :func:`mixstyle_suffix`; ERM++'s stage 2 (a ``lr_schedule``) is "ERM++"
+    (``methods.averaging_label``: "SAGM + ERM++" for SAGM). Only the record holds it: ``hparams_seed`` and
     the sweep's job hashes come from the config, whose ``algorithm`` stays the update
     rule (our readers take the method from the config)."""
     from sagm_jax import methods  # the registries import JAX; reading records needs neither
@@ -302,6 +319,10 @@ def record_algorithm(config_dict: dict) -> str:
         float(config_dict.get("disam_lambda") or 0),
     )
     label = DOMAINBED_ALGORITHMS.get(label, label)
+    if config_dict.get("lr_schedule"):  # ERM++'s stage 2 (sagm_jax.averaging.erm_plusplus)
+        label = methods.averaging_label(methods.method_label(
+            config_dict.get("objective", "erm"), config_dict["algorithm"],
+            float(config_dict.get("disam_lambda") or 0)), "erm_plusplus")
     return label + mixstyle_suffix(config_dict)
 
 

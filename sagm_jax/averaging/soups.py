@@ -1,0 +1,573 @@
+"""Soups: weight averages across finished runs (model soups, DiWA), uniform and greedy.
+
+A soup averages the weights of M finished runs, its MEMBERS, that share one dataset,
+test environments, network (the same parameter tree) and data split (``split.json``):
+the runs of a DiWA population fine-tuned from one shared initialisation. Each member
+gives the weights ``--weights`` names: its ``best`` checkpoint (the step training-domain
+validation selects), its ``last``, its ``swad`` model, or its ``moving_average``
+(the run's simple moving average, as ``load_run`` gives it for such a run).
+
+    uniform  theta = (1/M) sum_m theta_m over every member (DiWA's ``uniform``,
+             alexrame/diwa domainbed/scripts/diwa.py ``main``; ``DiWA.add_weights`` in
+             domainbed/algorithms_inference.py keeps the running mean
+             ``(theta * count + theta_m) / (count + 1)``, the same mean).
+    greedy   DiWA's "restricted" selection (diwa.py ``main``): members sorted by their
+             score, decreasing (Python's stable sort: equal scores keep the listing
+             order); the score is misc.get_score of the member's record, the mean over
+             the training environments of ``env{i}_out_acc``. Each member in turn joins
+             the candidate soup, the mean of the accepted members and itself; the
+             candidate's accuracy on the MERGED training environments' ``out`` parts
+             (correct / count over their union, misc.MergeDataset) is computed, and the
+             member is accepted when it is >= the best so far (ties accepted; the first
+             member always), else dropped. The soup is the mean of the accepted.
+
+Streaming: a member's variables are read from its run directory when they are added and
+dropped after; the soup keeps float64 running sums (uniform: one; greedy: the accepted
+members' and the candidate's) and casts the mean to float32 at the end, so M ResNet-50s
+never sit in memory together.
+
+BatchNorm: with frozen BatchNorm (every member's ``freeze_batchnorm``, the default) the
+members' statistics are ImageNet's, the same in each (checked, and kept); DiWA's
+``add_weights`` averages ``parameters()`` only and keeps the first member's buffers,
+which is the same. With trainable BatchNorm the soup's statistics are re-estimated for
+the averaged weights as SWAD's final model's are (``averaging.swad.recompute_batchnorm``:
+the mean over ``swad_batchnorm_batches`` training minibatches of their batch statistics),
+for each greedy candidate too.
+
+A soup is a run directory of its own (:func:`write_combined_run`, which EoA's ensemble,
+``averaging.ensemble``, writes too): ``config.json`` (the first member's config with
+``combined_label`` and ``combined_members``), ``run_info.json`` (the first member's plus
+``members``), ``split.json`` (the members'), ``results.jsonl`` (one record, its
+``args.algorithm`` and ``algorithm`` the soup's label, ``soup`` what made it), its
+variables as the checkpoint of that record's step, and ``done``; ``load_run`` and
+``collect_results`` read it as a run (its row: the label, ``methods.averaging_label``).
+
+    python -m sagm_jax.averaging.soups --out DIR --selection uniform|greedy \\
+        --weights best|last|swad|moving_average RUN_DIR...
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from sagm_jax.results.selection import training_domain_validation, validation_accuracy
+from sagm_jax.training import checkpoints, rundir
+
+WEIGHTS = ("best", "last", "swad", "moving_average")
+SELECTIONS = ("uniform", "greedy")
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """A finished run as a soup's (or an ensemble's) member: its absolute ``path``, the
+    ``weights`` it gives, the ``step`` and ``record`` of those weights, their ``sha256``
+    (:func:`weights_sha256`), its ``score`` (misc.get_score of the record: the training
+    environments' mean ``out`` accuracy), its config, run_info and split record."""
+
+    path: str
+    weights: str
+    step: int
+    sha256: str
+    score: float
+    record: dict
+    config: dict
+    run_info: dict
+    split: dict
+
+    def variables(self) -> dict:
+        """The member's chosen ``{'params', 'batch_stats'}`` as host arrays, read again
+        from its run directory (nothing is kept in memory between calls)."""
+        return _read_variables(self.path, self.weights, self.config, self.step)[0]
+
+    def fingerprint(self) -> dict:
+        """What names the member in a soup: its path, weights, step and the SHA-256 of
+        those weights' bytes."""
+        return {"path": self.path, "weights": self.weights, "step": self.step,
+                "sha256": self.sha256, "score": self.score}
+
+
+def weights_sha256(variables: dict) -> str:
+    """The SHA-256 of the variables' bytes, leaf by leaf in tree order (the params, then
+    the batch statistics, each in sorted key order), with each leaf's dtype and shape."""
+    import jax
+
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves({"params": variables["params"],
+                                 "batch_stats": variables.get("batch_stats") or {}}):
+        leaf = np.ascontiguousarray(np.asarray(leaf))
+        digest.update(f"{leaf.dtype.str}{leaf.shape}".encode())
+        digest.update(leaf.tobytes())
+    return digest.hexdigest()
+
+
+def _read_variables(path: str, weights: str, config: dict, step: int | None):
+    """``(variables, step, record)`` of run ``path``'s ``weights`` (``step``: the one
+    already chosen, or None to choose it now)."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"--weights {weights!r}: expected one of {', '.join(WEIGHTS)}.")
+    if weights == "swad":
+        record = rundir.read_swad_record(path)
+        if record is None:
+            raise ValueError(
+                f"{path}: --weights swad, but the run has no SWAD model (swad.jsonl): it "
+                "did not train with --config.swad=True."
+            )
+        return checkpoints.restore_swad_variables(path), int(record["step"]), record
+    if weights == "moving_average":
+        if not config.get("moving_average"):
+            raise ValueError(
+                f"{path}: --weights moving_average, but the run did not train with "
+                "--config.moving_average=True."
+            )
+        from sagm_jax.training import loading
+
+        _, variables, record = loading.load_run(path, "best" if step is None else step)
+        return variables, int(record["step"]), record
+    records = rundir.read_records(path)
+    if not records:
+        raise ValueError(f"{path}: the run has no records ({rundir.RESULTS}).")
+    if step is None:
+        step = (training_domain_validation(records, config["test_envs"])["step"]
+                if weights == "best" else records[-1]["step"])
+    record = next(r for r in records if r["step"] == step)
+    return checkpoints.restore_variables(path, step), int(step), record
+
+
+def _member(path: str, weights: str) -> tuple[Member, list]:
+    """The member at ``path`` and its parameter tree's ``(path, shape, dtype)`` list."""
+    import jax
+
+    path = os.path.abspath(path)
+    if not os.path.exists(os.path.join(path, rundir.DONE)):
+        raise ValueError(
+            f"{path}: not a finished run (no '{rundir.DONE}' file); a soup averages "
+            "finished runs."
+        )
+    config = rundir.read_config(path)
+    variables, step, record = _read_variables(path, weights, config, None)
+    with open(os.path.join(path, rundir.SPLIT)) as f:
+        split = json.load(f)
+    info = rundir.read_run_info(path)
+    tree = [
+        (jax.tree_util.keystr(key), tuple(np.shape(leaf)), str(np.asarray(leaf).dtype))
+        for key, leaf in jax.tree_util.tree_leaves_with_path(variables["params"])
+    ]
+    score = validation_accuracy(record, info["train_envs"])
+    member = Member(path, weights, step, weights_sha256(variables), score, record, config,
+                    info, split)
+    return member, tree
+
+
+def _differences(first: Member, first_tree: list, member: Member, tree: list) -> list[str]:
+    """What keeps ``member`` out of a soup whose first member is ``first``, in words."""
+    from sagm_jax.data import splits
+
+    found = [
+        f"{key} {first.config.get(key)!r} -> {member.config.get(key)!r}"
+        for key in ("dataset", "arch")
+        if first.config.get(key) != member.config.get(key)
+    ]
+    envs = [sorted(int(e) for e in m.config["test_envs"]) for m in (first, member)]
+    if envs[0] != envs[1]:
+        found.append(f"test_envs {envs[0]} -> {envs[1]}")
+    if first_tree != tree:
+        ours, theirs = set(first_tree), set(tree)
+        odd = sorted(ours ^ theirs)[:3]
+        found.append(f"the parameter trees differ ({len(ours ^ theirs)} leaves, e.g. {odd})")
+    if not found:
+        found += splits.split_changes(first.split, member.split)
+    return found
+
+
+def members_of(workdirs: Sequence[str], weights: str) -> list[Member]:
+    """The finished runs ``workdirs`` as members giving their ``weights`` (one of
+    :data:`WEIGHTS`), in the order given. Each is read once (its weights hashed, then
+    dropped). They must share the dataset, test environments, network and parameter
+    tree, and data and split (``split.json``: dataset fingerprint, trial seed, holdout,
+    indices): a run that differs from the first is a ValueError naming it and each
+    difference; so is a run listed twice, or not finished."""
+    if not workdirs:
+        raise ValueError("A soup needs at least one run directory.")
+    members, first_tree = [], None
+    for workdir in workdirs:
+        member, tree = _member(workdir, weights)
+        if any(m.path == member.path for m in members):
+            raise ValueError(f"{member.path}: listed twice; a member joins a soup once.")
+        if members:
+            problems = _differences(members[0], first_tree, member, tree)
+            if problems:
+                more = f"; and {len(problems) - 4} more" if len(problems) > 4 else ""
+                raise ValueError(
+                    f"{member.path} cannot join the runs of {members[0].path}: "
+                    f"{'; '.join(problems[:4])}{more}. A soup averages runs of one dataset, test "
+                    "environments, network and data split."
+                )
+        else:
+            first_tree = tree
+        members.append(member)
+    return members
+
+
+def combined_config(label: str, members: Sequence[Member]) -> dict:
+    """The config of a run combined from ``members``: the first member's, with
+    ``combined_label`` (its row in the tables, ``rundir.combined_label``) and
+    ``combined_members`` (the members' paths and weights' SHA-256), so that two soups of
+    other members are two settings, as two runs of other hyperparameters are."""
+    config = dict(members[0].config)
+    config[rundir.COMBINED_LABEL] = label
+    config[rundir.COMBINED_MEMBERS] = [f"{m.path}@{m.step}:{m.sha256}" for m in members]
+    return config
+
+
+def write_combined_run(out: str, label: str, members: Sequence[Member], record: dict,
+                       variables: dict | None = None) -> dict:
+    """Writes the run directory ``out`` of a run combined from ``members`` (a soup, an
+    ensemble): config.json (:func:`combined_config`), run_info.json (the first member's
+    plus ``members``: each :meth:`Member.fingerprint`), split.json (the members'),
+    results.jsonl holding ``record`` (a ``rundir.make_record`` record, its ``config``,
+    ``hparams`` and ``args`` set here to the combined run's: ``args.algorithm`` and
+    ``algorithm`` are ``label``), ``variables`` (``{'params', 'batch_stats'}``, or None
+    for an ensemble, which has no weights of its own) as the checkpoint of the record's
+    step, which ``load_run(out)`` reads, then ``done``. Returns the record written.
+
+    ``out`` must not hold a finished run, nor be a member; an unfinished one (a kill
+    while it was written) is written again."""
+    out = os.path.abspath(out)
+    if any(m.path == out for m in members):
+        raise ValueError(f"--out {out} is one of the members; write the soup elsewhere.")
+    if os.path.exists(os.path.join(out, rundir.DONE)):
+        raise ValueError(
+            f"--out {out} already holds a finished run; choose another folder, or delete it."
+        )
+    config = combined_config(label, members)
+    record = dict(record)
+    record.update(algorithm=label, config=config, hparams=rundir.hyperparameters(config))
+    record["args"] = dict(record["args"], algorithm=label, output_dir=out,
+                          hparams_seed=rundir.hparams_seed(config))
+    os.makedirs(out, exist_ok=True)
+    for name in (rundir.RESULTS, rundir.CHECKPOINTS):
+        stale = os.path.join(out, name)
+        if os.path.isdir(stale):
+            shutil.rmtree(stale)
+        elif os.path.exists(stale):
+            os.remove(stale)
+    info = dict(members[0].run_info, members=[m.fingerprint() for m in members])
+    rundir.write_json(os.path.join(out, rundir.CONFIG), config)
+    rundir.write_json(os.path.join(out, rundir.RUN_INFO), info)
+    shutil.copyfile(os.path.join(members[0].path, rundir.SPLIT),
+                    os.path.join(out, rundir.SPLIT))
+    run = rundir.RunDir(out)
+    run.append(record)
+    if variables is not None:
+        saved = checkpoints.Checkpoints(out)
+        saved.save(int(record["step"]), variables,
+                   validation_accuracy(record, info["train_envs"]))
+        saved.wait()
+    run.mark_done()
+    return record
+
+
+# ---- the averages, streaming ------------------------------------------------------
+
+
+def _add(total, variables):
+    """``total + variables['params']`` in float64 (``total`` None: the first)."""
+    import jax
+
+    if total is None:
+        return jax.tree.map(lambda x: np.asarray(x, np.float64), variables["params"])
+    return jax.tree.map(lambda t, x: t + np.asarray(x, np.float64), total, variables["params"])
+
+
+def _mean(total, count: int):
+    """The float32 mean of a float64 sum of ``count`` members' parameters."""
+    import jax
+
+    return jax.tree.map(lambda t: (t / count).astype(np.float32), total)
+
+
+class _Statistics:
+    """The members' BatchNorm statistics: frozen BatchNorm's, checked to be the same in
+    each member as it is read (:meth:`check`), or None where they are re-estimated."""
+
+    def __init__(self, members: Sequence[Member]):
+        self.frozen = all(m.config.get("freeze_batchnorm", True) for m in members)
+        self.first_path, self.stats = members[0].path, None
+
+    def check(self, member: Member, variables: dict) -> None:
+        import jax
+
+        stats = variables.get("batch_stats") or {}
+        if self.stats is None:
+            self.stats = stats
+            return
+        if not self.frozen:
+            return
+        same = jax.tree.structure(stats) == jax.tree.structure(self.stats) and all(
+            np.array_equal(a, b) for a, b in zip(jax.tree.leaves(stats),
+                                                 jax.tree.leaves(self.stats))
+        )
+        if not same:
+            raise ValueError(
+                f"{member.path}: its frozen BatchNorm statistics differ from those of "
+                f"{self.first_path}; members with frozen BatchNorm share the pretrained "
+                "network's statistics, so these runs did not start from one network."
+            )
+
+
+def uniform_soup(members: Sequence[Member], statistics: _Statistics | None = None) -> dict:
+    """``{'params': mean, 'batch_stats': the first member's}``: the float32 mean of the
+    members' parameters, summed in float64 one member at a time."""
+    statistics = statistics or _Statistics(members)
+    total = None
+    for member in members:
+        variables = member.variables()
+        statistics.check(member, variables)
+        total = _add(total, variables)
+        del variables
+    return {"params": _mean(total, len(members)), "batch_stats": statistics.stats}
+
+
+def greedy_selection(scores: Sequence[float], accuracy_of: Callable[[list[int]], float],
+                     say: Callable[[str], Any] = print) -> dict:
+    """DiWA's restricted selection (alexrame/diwa domainbed/scripts/diwa.py ``main``) over
+    members ``0 .. len(scores)-1``: the order (decreasing score, equal scores in index
+    order), then each member in turn: ``accuracy_of(accepted + [member])`` (the
+    candidate soup's accuracy) is computed and the member is accepted when it is >= the
+    best so far (the first always). ``say`` gets one line per decision. Returns
+    ``{"order", "accepted", "accuracies", "best"}`` (``accuracies[k]``: the candidate's
+    accuracy when ``order[k]`` was tried)."""
+    order = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)
+    accepted, accuracies, best = [], [], -float("inf")
+    for k, i in enumerate(order):
+        accuracy = float(accuracy_of(accepted + [i]))
+        accuracies.append(accuracy)
+        if accuracy >= best:
+            accepted, best = accepted + [i], accuracy
+            verdict = "accepted"
+        else:
+            verdict = f"skipped (below the best, {best:.4f})"
+        say(f"greedy {k + 1}/{len(order)}: member {i} (score {scores[i]:.4f}): the soup of "
+            f"{len(accepted) if verdict == 'accepted' else len(accepted) + 1} has merged "
+            f"validation accuracy {accuracy:.4f}: {verdict}")
+    return {"order": order, "accepted": accepted, "accuracies": accuracies, "best": best}
+
+
+class _PrefixSums:
+    """The float64 parameter sums of the members a greedy selection tries, streaming:
+    each candidate is an accepted prefix plus one member, so the sums of the last
+    accepted members and of the last candidate are all that is kept."""
+
+    def __init__(self, members: Sequence[Member], statistics: _Statistics):
+        self.members, self.statistics = members, statistics
+        self.sums: dict[tuple, Any] = {(): None}
+
+    def mean(self, candidate: list[int]) -> dict:
+        held, new = tuple(candidate[:-1]), candidate[-1]
+        variables = self.members[new].variables()
+        self.statistics.check(self.members[new], variables)
+        total = _add(self.sums[held], variables)
+        self.sums = {held: self.sums[held], tuple(candidate): total}
+        return {"params": _mean(total, len(candidate)), "batch_stats": self.statistics.stats}
+
+
+# ---- evaluating a soup ------------------------------------------------------------
+
+
+class _Evaluation:
+    """The members' data, network and evaluator (``train.open_run`` of the first
+    member's config), evaluating a soup's variables (BatchNorm re-estimated first where
+    it trains)."""
+
+    def __init__(self, members: Sequence[Member], statistics: _Statistics):
+        import ml_collections
+
+        from sagm_jax.training import train
+
+        self.config = ml_collections.ConfigDict(members[0].config)
+        self.program, _ = train.open_run(self.config)
+        self.statistics = statistics
+
+    def __call__(self, variables: dict) -> tuple[dict, dict]:
+        """``(results, variables)``: the evaluator's ``env{i}_{part}_acc`` and
+        ``_loss``, and the variables evaluated."""
+        import jax
+        from flax import struct
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from sagm_jax.averaging.swad import recompute_batchnorm
+
+        @struct.dataclass
+        class SoupState:
+            params: Any
+            batch_stats: Any
+            step: int = struct.field(pytree_node=False, default=0)
+
+        state = SoupState(variables["params"], variables["batch_stats"] or {},
+                          int(self.config.steps))
+        state = jax.device_put(state, NamedSharding(self.program.mesh, PartitionSpec()))
+        if not self.statistics.frozen and jax.tree.leaves(state.batch_stats):
+            state = recompute_batchnorm(state, self.program, self.config)
+        variables = jax.device_get({"params": state.params, "batch_stats": state.batch_stats})
+        return self.program.evaluator(state), variables
+
+    def merged_validation(self, results: dict) -> float:
+        """The accuracy on the training environments' ``out`` parts merged into one set
+        (diwa.py's ``train`` split, a MergeDataset): their correct answers over their
+        examples. Each part's accuracy is correct / count over its every example, so its
+        correct answers are that times its size, rounded (exact)."""
+        splits = self.program.dataset.splits
+        sizes = {e: len(splits[e]["out"]) for e in self.program.train_envs}
+        correct = sum(round(results[f"env{e}_out_acc"] * n) for e, n in sizes.items())
+        return correct / sum(sizes.values())
+
+
+def averaging_name(members: Sequence[Member], selection: str) -> str:
+    """``methods.AVERAGINGS``' name of the soup: Model Ratatouille's where every member
+    started from an auxiliary run's featurizer (``init_featurizer_from``), else DiWA's."""
+    ratatouille = all(m.config.get("init_featurizer_from") for m in members)
+    return f"{'ratatouille' if ratatouille else 'diwa'}_{selection}"
+
+
+def soup_label(members: Sequence[Member], selection: str) -> str:
+    """The soup's row: ``methods.averaging_label`` of the members' row (their method, as
+    ``collect_results`` names it, with " + SWAD" for SWAD weights) and the averaging. The
+    members must share their method."""
+    from sagm_jax import methods
+    from sagm_jax.results.records import method_name
+
+    rows = {m.path: method_name(m.record) for m in members}
+    if len(set(rows.values())) > 1:
+        listed = "; ".join(f"{path}: {row}" for path, row in rows.items())
+        raise ValueError(
+            f"the members train different methods ({listed}); a soup's row in the tables "
+            "is one method's: average runs of one method."
+        )
+    return methods.averaging_label(rows[members[0].path], averaging_name(members, selection))
+
+
+def make_soup(workdirs: Sequence[str], out: str, selection: str = "uniform",
+              weights: str = "best", say: Callable[[str], Any] = print) -> dict:
+    """Averages the finished runs ``workdirs`` (:func:`members_of`) by ``selection``
+    (``uniform`` or ``greedy``), evaluates the soup on every split part the members'
+    config evaluates and writes it as the run directory ``out``
+    (:func:`write_combined_run`). Returns its record."""
+    if selection not in SELECTIONS:
+        raise ValueError(f"--selection {selection!r}: expected one of {', '.join(SELECTIONS)}.")
+    members = members_of(workdirs, weights)
+    label = soup_label(members, selection)
+    statistics = _Statistics(members)
+    evaluate = _Evaluation(members, statistics)
+    order = list(range(len(members)))
+    if selection == "uniform":
+        results, variables = evaluate(uniform_soup(members, statistics))
+        accepted, decisions = order, None
+    else:
+        sums, best = _PrefixSums(members, statistics), {}
+
+        def accuracy_of(candidate):
+            results, variables = evaluate(sums.mean(candidate))
+            accuracy = evaluate.merged_validation(results)
+            if accuracy >= best.get("accuracy", -float("inf")):
+                best.update(accuracy=accuracy, results=results, variables=variables)
+            return accuracy
+
+        chosen = greedy_selection([m.score for m in members], accuracy_of, say)
+        order, accepted = chosen["order"], chosen["accepted"]
+        results, variables = best["results"], best["variables"]
+        decisions = [
+            {"member": i, "accuracy": a, "accepted": i in accepted}
+            for i, a in zip(order, chosen["accuracies"])
+        ]
+    record = _soup_record(evaluate, members, out, results)
+    record["soup"] = {
+        "selection": selection,
+        "weights": weights,
+        "members": [m.fingerprint() for m in members],
+        "order": order,
+        "accepted": accepted,
+        **({"decisions": decisions} if decisions is not None else {}),
+    }
+    return write_combined_run(out, label, members, record, variables)
+
+
+def _soup_record(evaluate: _Evaluation, members: Sequence[Member], out: str,
+                 results: dict) -> dict:
+    """The soup's record: its step is the members' latest, its ``loss`` the training
+    environments' mean ``out`` loss (as SWAD's model's record; a soup has no training
+    loss)."""
+    from sagm_jax.averaging.swad import validation_loss
+
+    program = evaluate.program
+    return rundir.make_record(
+        members[0].config, out,
+        step=max(m.step for m in members),
+        loss=validation_loss(results, program.train_envs),
+        accuracies=results,
+        test_envs=program.test_envs,
+        smallest_env=min(len(program.dataset.splits[e]["in"]) for e in program.train_envs),
+    )
+
+
+def report(record: dict, members: Sequence[dict]) -> str:
+    """The members' and the soup's test accuracies (the test environments' ``in``
+    parts) and training-domain validation, one line each."""
+    test_envs = record["args"]["test_envs"]
+
+    def line(name, r):
+        tests = "  ".join(f"env{e} {100 * r[f'env{e}_in_acc']:5.1f}" for e in test_envs)
+        train = [int(k[3:].split("_")[0]) for k in r if k.endswith("_out_acc")]
+        score = validation_accuracy(r, [e for e in train if e not in test_envs])
+        return f"  {name:<48} validation {100 * score:5.1f}   test {tests}"
+
+    soup = record["soup"]
+    lines = [f"{record['algorithm']}: the {soup['weights']} weights of "
+             f"{len(soup['accepted'])} of {len(members)} members:"]
+    for k, member in enumerate(members):
+        kept = "" if k in soup["accepted"] else " (left out)"
+        lines.append(line(f"member {k}: {member['path']}{kept}", member["record"]))
+    lines.append(line(f"soup: {record['args']['output_dir']}", record))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m sagm_jax.averaging.soups", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--out", required=True, help="The soup's run directory.")
+    parser.add_argument("--selection", choices=SELECTIONS, default="uniform")
+    parser.add_argument("--weights", choices=WEIGHTS, default="best")
+    parser.add_argument("runs", nargs="+", help="The members' finished run directories.")
+    args = parser.parse_args(argv)
+    try:
+        record = make_soup(args.runs, args.out, args.selection, args.weights)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"soups: {error}", file=sys.stderr)
+        return 2
+    members = [
+        {"path": m["path"], "record": _member_record(m)} for m in record["soup"]["members"]
+    ]
+    print(report(record, members))
+    return 0
+
+
+def _member_record(fingerprint: dict) -> dict:
+    """The record of a member's chosen weights (its selected step's, or SWAD's)."""
+    if fingerprint["weights"] == "swad":
+        return rundir.read_swad_record(fingerprint["path"])
+    records = rundir.read_records(fingerprint["path"])
+    return next(r for r in records if r["step"] == fingerprint["step"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
