@@ -331,6 +331,30 @@ FIELDS: dict[str, tuple[Field, ...]] = {
             checks.BOOL,
         ),
     ),
+    # A run's moving average of its weights (sagm_jax.averaging.moving_average).
+    "averaging": (
+        Field(
+            "moving_average",
+            False,
+            "predict with (evaluate, select the best step of, save) the simple moving "
+            "average of the weights (EoA's and DiWA's MA, ERM++'s)",
+            checks.moving_average,
+        ),
+        Field(
+            "moving_average_start",
+            100,
+            "the update from which the average accumulates (the references' "
+            "sma_start_iter: EoA 100, ERM++ 600); before it, it is the weights",
+            checks.integer(1),
+        ),
+        Field(
+            "moving_average_batchnorm_forward",
+            False,
+            "ERM++: with trainable BatchNorm, a training-mode forward of the average on "
+            "each step's batch also updates the average's statistics",
+            checks.moving_average_batchnorm_forward,
+        ),
+    ),
     "schedule": (
         Field(
             "steps",
@@ -357,6 +381,7 @@ SECTION_TITLES = {
     "optimizer": "Adam and the heads' settings (see sagm_jax.methods.update_rules)",
     "step": "train step and devices (see sagm_jax.training.train_step)",
     "swad": "SWAD weight averaging (see sagm_jax.averaging.valley, sagm_jax.averaging.swad_averages)",
+    "averaging": "the weights' moving average (see sagm_jax.averaging.moving_average)",
     "schedule": "schedule",
 }
 

@@ -152,3 +152,28 @@ def linear_steps(value, config, device_count):
             f"0 with config.algorithm={algorithm}: a procedure updates from its own passes, "
             "which the linear probe does not wrap; probe with a plain or sharpness-aware rule"
         )
+
+
+def moving_average(value, config, device_count):
+    """True or False; not with SWAD (a run predicts with one of its averages)."""
+    if not isinstance(value, bool):
+        return "True or False"
+    if value and config.get("swad") is True:
+        return (
+            "False with config.swad=True: a run predicts with one average, SWAD's or the "
+            "moving average; train two runs, or --config.swad=False"
+        )
+
+
+def moving_average_batchnorm_forward(value, config, device_count):
+    """True or False; True only where there is an average whose BatchNorm trains."""
+    if not isinstance(value, bool):
+        return "True or False"
+    if value and config.get("moving_average") is not True:
+        return "False without config.moving_average=True (it updates the average's statistics)"
+    if value and config.get("freeze_batchnorm") is not False:
+        return (
+            "False with config.freeze_batchnorm=True: ERM++ updates the average's BatchNorm "
+            "statistics only where BatchNorm trains (its freeze_bn False); use "
+            "--config.freeze_batchnorm=False"
+        )

@@ -419,9 +419,11 @@ def stored_training_metrics(workdir: str, step: int) -> dict | None:
     return training if isinstance(training, dict) and "loss" in training else None
 
 
-def restore_variables(workdir: str, step: int) -> dict:
+def restore_variables(workdir: str, step: int, moving_average: bool = True) -> dict:
     """``{'params': ..., 'batch_stats': ...}`` of checkpoint ``step`` as host arrays,
-    without rebuilding the optimizer (whatever its mode or axis names were). A step
+    without rebuilding the optimizer (whatever its mode or axis names were): the
+    variables the run predicts with, its moving average's where it keeps one
+    (``config.moving_average``; ``moving_average=False``: the trained weights). A step
     that is not kept is a ``FileNotFoundError`` listing the steps that are; one that
     does not read, a :class:`DamagedCheckpointError` naming it and the steps that read."""
     directory, steps = _directory(workdir), saved_steps(workdir)
@@ -438,6 +440,8 @@ def restore_variables(workdir: str, step: int) -> dict:
             f"{os.path.join(directory, str(step))}: the checkpoint of step {step} is damaged "
             f"and cannot be read ({reason}). The steps that read: {readable}."
         )
+    if moving_average and restored.get("moving_average"):  # sagm_jax.averaging.moving_average
+        restored = restored["moving_average"]
     return {"params": restored["params"], "batch_stats": restored.get("batch_stats") or {}}
 
 

@@ -29,7 +29,10 @@ def load_run(workdir: str, which: str | int = "best"):
 
     ``which``: ``"best"`` (the step training-domain validation selects, as the summary
     and the tables do), ``"latest"``, a step number of a kept checkpoint, or ``"swad"``
-    (a SWAD run's averaged model, with its swad.jsonl record). ``model``
+    (a SWAD run's averaged model, with its swad.jsonl record). A run with
+    ``config.moving_average`` predicts with its moving average: every ``which`` gives the
+    average's variables at that step (its records are the average's, and say so), and
+    ``"moving_average"`` is its best step's, refused for a run without one. ``model``
     is the Flax module, ``variables`` its ``{'params', 'batch_stats'}``; apply it as
     ``model.apply(variables, images_nhwc, train=False)`` to images prepared as the run's
     evaluation prepares them. ``record`` is the results.jsonl record of that step. A
@@ -45,6 +48,14 @@ def load_run(workdir: str, which: str | int = "best"):
     records = read_records(workdir)
     if which == "swad":
         return _model(config, info), restore_swad_variables(workdir), read_swad_record(workdir)
+    if which == "moving_average":
+        if not config.get("moving_average"):
+            raise ValueError(
+                f"{workdir}: load_run(which='moving_average'): the run kept no moving "
+                "average (config.moving_average=False); 'best', 'latest' or a step gives its "
+                "weights."
+            )
+        which = "best"
     if which == "best":
         step = training_domain_validation(records, config.test_envs)["step"]
     elif which == "latest":

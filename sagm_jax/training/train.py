@@ -47,6 +47,7 @@ from sagm_jax import data as data_lib
 from sagm_jax.models import backbones
 from sagm_jax import formatting
 from sagm_jax.averaging import swad_averages as averaging
+from sagm_jax.averaging import moving_average
 from sagm_jax.methods import networks, objectives
 from sagm_jax.averaging import valley as swad
 from sagm_jax.training.checkpoints import Checkpoints
@@ -206,14 +207,17 @@ def setup(config: ml_collections.ConfigDict) -> Program:
 
 
 def initial_state(config, variables, optimizer, num_domains: int):
-    """The train state at step 0: ``variables``, the optimizer's state, the objective's
-    and SWAD's averages (with ``config.swad``)."""
+    """The train state at step 0: ``variables``, the optimizer's state, the objective's,
+    SWAD's averages (with ``config.swad``) and the moving average (with
+    ``config.moving_average``: a copy of ``variables``)."""
     averages = None
     if config.swad:
         window = swad.segment_window(config.swad_n_tolerance, config.swad_n_converge)
         averages = averaging.init_averages(variables["params"], window)
+    average = moving_average.init_moving_average(variables) if config.moving_average else None
     return create_train_state(
-        variables, optimizer, objectives.init_state(config.objective, num_domains), averages
+        variables, optimizer, objectives.init_state(config.objective, num_domains), averages,
+        average,
     )
 
 
@@ -448,7 +452,9 @@ def evaluate_and_record(
     config, program: Program, rundir: RunDir, checkpoints, state, t, means
 ) -> dict:
     """Evaluates ``state`` after step ``t`` and appends its record (before the
-    checkpoint: see the module docstring); ``means`` are the step metrics' means."""
+    checkpoint: see the module docstring); ``means`` are the step metrics' means. With
+    ``config.moving_average`` the accuracies are the moving average's, and the record
+    says so (``record["moving_average"]``: ``moving_average.describe``)."""
     means = dict(means)  # the caller keeps its means (the checkpoint saves them)
     mean_loss = _finite_loss(means.pop("loss"), t, checkpoints, rundir)
     if not _all_finite(state.params):
@@ -459,10 +465,13 @@ def evaluate_and_record(
         step=t,
         loss=mean_loss,
         metrics=means,
-        accuracies=program.evaluator(state),
+        # With config.moving_average the run predicts with its average (EoA's predict).
+        accuracies=program.evaluator(moving_average.predicting(state)),
         test_envs=program.test_envs,
         smallest_env=min(len(program.dataset.splits[e]["in"]) for e in program.train_envs),
     )
+    if config.moving_average:
+        record["moving_average"] = moving_average.describe(config, state)
     rundir.append(record)
     return record
 

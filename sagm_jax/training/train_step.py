@@ -58,6 +58,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from sagm_jax.averaging import swad_averages as averaging
+from sagm_jax.averaging import moving_average
 from sagm_jax.methods import networks, objectives
 from sagm_jax.methods.objectives import per_example_cross_entropy
 from sagm_jax.methods.procedures import BatchPasses
@@ -77,11 +78,15 @@ class TrainState:
     opt_state: Any
     objective_state: Any = None  # GroupDRO's q; {} for objectives without state
     averages: Any = None  # SWAD's weight averages (sagm_jax.averaging.swad_averages); {} without SWAD
+    # The weights' moving average (sagm_jax.averaging.moving_average); {} without it.
+    moving_average: Any = None
 
 
-def create_train_state(variables, optimizer, objective_state=None, averages=None) -> TrainState:
+def create_train_state(variables, optimizer, objective_state=None, averages=None,
+                       moving_average=None) -> TrainState:
     """Step 0: ``variables``, ``optimizer.init`` (an optax transformation or a
-    procedure), the objective's initial state and SWAD's averages (``{}`` for none)."""
+    procedure), the objective's initial state, SWAD's averages and the moving average
+    (``{}`` for none)."""
     params = variables["params"]
     return TrainState(
         step=jnp.zeros([], jnp.int32),
@@ -90,6 +95,7 @@ def create_train_state(variables, optimizer, objective_state=None, averages=None
         opt_state=optimizer.init(params),
         objective_state={} if objective_state is None else objective_state,
         averages={} if averages is None else averages,
+        moving_average={} if moving_average is None else moving_average,
     )
 
 
@@ -402,7 +408,8 @@ def run_train_step(config, model: nn.Module, optimizer, num_domains: int, mesh=N
     ``shard_map`` on ``mesh`` for ``perturbation='per_device'``; ``mesh`` None for the
     global mode) and SWAD's accumulation. ``data_parallel_train_step`` jits it; a pack
     (``sagm_jax.training.packed``) vmaps it over its runs, with ``config`` holding each
-    run's traced values."""
+    run's traced values. With ``config.moving_average`` it also updates the weights'
+    moving average (``sagm_jax.averaging.moving_average``)."""
     per_device = mesh is not None
     step_fn = make_train_step(
         model,
@@ -438,6 +445,8 @@ def run_train_step(config, model: nn.Module, optimizer, num_domains: int, mesh=N
         state, metrics = step_fn(state, batch, key)
         if config.swad:  # SWAD's segment mean takes every step's weights
             state = state.replace(averages=averaging.accumulate(state.averages, state.params))
+        if config.moving_average:  # so does the moving average, from its start on
+            state = moving_average.accumulate(config, model, state, batch["image"], key)
         return state, metrics
 
     return train_step
