@@ -343,3 +343,44 @@ def test_averagings_of_other_members_follow_their_averagings_row_in_table_1():
         assert rows[names.index(row)].startswith(f"| {row} | {cell} | {per_seed.mean():.1f} |")
     assert rows[diwa].endswith("| 67.6 (DiWA README, uniform, LP init) |")
     assert rows[diwa + 1].endswith("| - |")  # no published SAGM + DiWA row
+
+
+def test_a_soups_record_lands_in_its_row_of_table_1(tmp_path):
+    """Runs whose config names a combined run's label (``rundir.COMBINED_LABEL``, as a soup's
+    run directory holds it) fill that row: the ERM soup's "DiWA (uniform)" among the
+    published rows, the SAGM soup's "SAGM + DiWA (uniform)" right after it; each cell the
+    mean over trial seeds of the mean over test environments of ``env{t}_in_acc`` (one
+    record per run, so the selection has one choice), restated here in float64."""
+    from sagm_jax.training import rundir
+
+    rng = np.random.RandomState(7)
+    expected = {}
+    for label, algorithm, level in (("DiWA (uniform)", "erm", 0.82),
+                                    ("SAGM + DiWA (uniform)", "sagm", 0.86)):
+        per_seed = []
+        for seed in (0, 1):
+            per_env = []
+            for t in TEST_ENVS:
+                config = {"dataset": "PACS", "test_envs": [t], "all_test_envs": False,
+                          "trial_seed": seed, "seed": seed, "lr": 3e-5, "mixstyle": False,
+                          "pretrained_weights": "none", "split": "domainbed",
+                          "algorithm": algorithm, rundir.COMBINED_LABEL: label}
+                record = {"step": 0, **{f"env{e}_{part}_acc": round(level + rng.normal(0, 0.02), 4)
+                                        for e in range(ENVS) for part in ("in", "out")}}
+                per_env.append(record[f"env{t}_in_acc"])
+                folder = tmp_path / f"{algorithm}_t{t}_s{seed}"
+                folder.mkdir()
+                args = {"dataset": "PACS", "test_envs": [t], "trial_seed": seed, "seed": seed,
+                        "algorithm": label, "output_dir": str(folder), "hparams_seed": 0}
+                line = json.dumps({**record, "args": args, "hparams": {}, "config": config})
+                (folder / "results.jsonl").write_text(line + "\n")
+                (folder / "done").write_text("")
+            per_seed.append(np.mean(per_env))
+        expected[label] = 100 * np.array(per_seed, dtype=np.float64)
+    rows = table(collect_results.build_report(str(tmp_path), "training_domain"), "Table 1")[1:]
+    names = [r.split(" | ")[0][2:] for r in rows]
+    diwa = names.index("DiWA (uniform)")
+    assert names[diwa + 1] == "SAGM + DiWA (uniform)"
+    for offset, (label, values) in enumerate(expected.items()):
+        cell = f"{values.mean():.1f} ± {values.std() / np.sqrt(2):.1f}"
+        assert rows[diwa + offset].startswith(f"| {label} | {cell} | {values.mean():.1f} |")
