@@ -233,6 +233,29 @@ FIELDS: dict[str, tuple[Field, ...]] = {
             checks.cnn_widths,
         ),
     ),
+    # Where the network's weights start (sagm_jax.averaging.shared_init): another run's.
+    "init": (
+        Field(
+            "init_from",
+            "",
+            "a finished run directory on the same data whose weights start this run "
+            "(DiWA's shared initialisation)",
+            checks.TEXT,
+        ),
+        Field(
+            "init_weights",
+            "last",
+            "which of init_from's weights: last, best, swad or moving_average",
+            checks.OneOf(("last", "best", "swad", "moving_average")),
+        ),
+        Field(
+            "init_featurizer_from",
+            "",
+            "a finished run directory on ANOTHER dataset whose featurizer (its last weights, "
+            "all but the classifier) starts this run (Model Ratatouille)",
+            checks.TEXT,
+        ),
+    ),
     "optimizer": (
         Field("lr", 3e-5, "Adam's learning rate (constant)", checks.number("> 0")),
         Field(
@@ -377,6 +400,7 @@ FIELDS: dict[str, tuple[Field, ...]] = {
 SECTION_TITLES = {
     "data": "data (see sagm_jax.data)",
     "model": "model (see sagm_jax.models)",
+    "init": "the network's start from other runs (see sagm_jax.averaging.shared_init)",
     "method": "objective, update rule and their hyperparameters (see sagm_jax.methods)",
     "optimizer": "Adam and the heads' settings (see sagm_jax.methods.update_rules)",
     "step": "train step and devices (see sagm_jax.training.train_step)",

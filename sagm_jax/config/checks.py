@@ -37,10 +37,14 @@ TEXT = kind(str, "a string")
 
 def test_envs(value, config, device_count):
     expected = (
-        "environment indices (distinct, >= 0), e.g. --config.test_envs=0 or --config.test_envs=0,1"
+        "environment indices (distinct, >= 0), e.g. --config.test_envs=0 or --config.test_envs=0,1 "
+        "(or none, --config.test_envs=\"()\": train on every environment, as Model "
+        "Ratatouille's auxiliary runs)"
     )
-    if not isinstance(value, (tuple, list)) or not value:
+    if not isinstance(value, (tuple, list)):
         return expected
+    if not value:
+        return None
     if not all(is_int(e) and e >= 0 for e in value) or len(set(value)) != len(value):
         return expected
     spec = DATASETS.get(config.get("dataset"))

@@ -127,8 +127,8 @@ MNIST_METHOD_HPARAMS = {
 }
 
 DISAM_DRAW = log_uniform(-2, 0)
-# The search spaces of :func:`random_hparams`: DomainBed's, and DiWA's mild ranges.
-SPACES = ("domainbed", "diwa")
+# The search spaces of :func:`random_hparams`: DomainBed's, DiWA's mild ranges, EoA's.
+SPACES = ("domainbed", "diwa", "eoa")
 # The backbones whose head dropout DomainBed calls ``vit_dropout`` (no feature maps).
 VIT_ARCHS = tuple(name for name, b in BACKBONES.items() if not b.feature_maps)
 # DomainBed's ``batch_size`` of an objective outside SMALL_IMAGES, default and every draw:
@@ -183,6 +183,20 @@ def diwa_shared_hparams(dataset: str) -> tuple[Hyperparameter, ...]:
     return shared[:3] if is_mnist_like(dataset) else shared
 
 
+def eoa_shared_hparams(dataset: str) -> tuple[Hyperparameter, ...]:
+    """lr, batch_per_env, weight_decay (and dropout, but on the MNIST-like datasets) of
+    EoA's experiments (salesforce/ensemble-of-averages ``domainbed/hparams_registry.py``,
+    "hyper-params used in our experiments", on every dataset): lr 5e-5 and batch 32
+    fixed, weight decay 10^U(-6, -4) (default 0), DomainBed's dropout."""
+    shared = (
+        Hyperparameter("lr", 5e-5, "", "", fixed(5e-5)),
+        Hyperparameter("batch_per_env", 32, "", "", fixed(32)),
+        Hyperparameter("weight_decay", 0.0, "", "", log_uniform(-6, -4)),
+        Hyperparameter("dropout", 0.0, "", "", choice((0.0, 0.1, 0.5))),
+    )
+    return shared[:3] if is_mnist_like(dataset) else shared
+
+
 def searched_hparams(
     algorithm: str, dataset: str, objective: str = "erm", disam_lambda: float = 0.0,
     space: str = "domainbed",
@@ -203,8 +217,8 @@ def searched_hparams(
                if h.key in MNIST_METHOD_HPARAMS else h for h in own]
     changed = dataset_hparams(algorithm, dataset, objective)
     shared = shared_hparams(dataset, objective)
-    if space == "diwa":
-        shared = diwa_shared_hparams(dataset)
+    if space in ("diwa", "eoa"):
+        shared = (diwa_shared_hparams if space == "diwa" else eoa_shared_hparams)(dataset)
         changed = {k: v for k, v in changed.items() if k not in {h.key for h in shared}}
     return tuple(
         h._replace(default=changed[h.key][0], distribution=changed[h.key][1])

@@ -46,6 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from sagm_jax import data as data_lib
 from sagm_jax.models import backbones
 from sagm_jax import formatting
+from sagm_jax.averaging import shared_init
 from sagm_jax.averaging import swad_averages as averaging
 from sagm_jax.averaging import moving_average
 from sagm_jax.methods import networks, objectives
@@ -233,6 +234,7 @@ def open_run(config, mesh=None) -> tuple[Program, dict]:
         config, dataset.num_classes, dataset.input_shape, len(train_envs), init_key,
         imagenet_inputs=data_lib.get_spec(config.dataset).kind == "folder",
     )
+    variables, started_from = shared_init.initial_variables(config, variables, dataset)
     run_info = {
         "weights": weights,
         "dataset": config.dataset,
@@ -247,6 +249,7 @@ def open_run(config, mesh=None) -> tuple[Program, dict]:
         "process_count": jax.process_count(),
         "jax": jax.__version__,
         "python": platform.python_version(),
+        **started_from,
     }
     program = Program(
         dataset=dataset,

@@ -309,5 +309,32 @@ def test_diwa_space_keeps_the_methods_own_draws_and_refuses_an_unknown_space():
     }}
     # ARM's fixed batch of 8 is DomainBed's; DiWA's registry fixes 32 for every method.
     assert diwa_hparams("PACS", 4, 1, objective="arm")["batch_per_env"] == 32
-    with pytest.raises(ValueError, match="search space 'soup': expected one of domainbed, diwa"):
+    with pytest.raises(ValueError, match="search space .soup.: expected one of domainbed, diwa, eoa"):
         random_hparams("erm", "PACS", 1, 0, space="soup")
+
+
+def eoa_setting(dataset, hparams_seed, trial_seed):
+    """salesforce/ensemble-of-averages ``hparams_registry._hparams`` for ERM_SMA: DomainBed's
+    shared names, then its "hyper-params used in our experiments" (batch_size and lr fixed,
+    weight_decay re-drawn 10^U(-6, -4)) on every dataset."""
+    random_seed = db_seed_hash(hparams_seed, trial_seed)
+
+    def draw(name, default_val, random_val_fn):
+        value = random_val_fn(np.random.RandomState(db_seed_hash(random_seed, name)))
+        return default_val if hparams_seed == 0 else value
+
+    expected = {
+        "lr": draw("lr", 5e-5, lambda r: 5e-5),
+        "batch_per_env": draw("batch_size", 32, lambda r: 32),
+        "weight_decay": draw("weight_decay", 0.0, lambda r: 10 ** r.uniform(-6, -4)),
+        "dropout": draw("resnet_dropout", 0.0, lambda r: r.choice([0.0, 0.1, 0.5])),
+    }
+    if dataset in SMALL_IMAGES:
+        del expected["dropout"]  # the MNIST CNN has none
+    return expected
+
+
+def test_eoa_space_draws_the_references_experiment_ranges():
+    for dataset, (hparams_seed, trial_seed) in itertools.product(DATASETS, SEEDS):
+        got = random_hparams("erm", dataset, hparams_seed, trial_seed, space="eoa")
+        assert got == eoa_setting(dataset, hparams_seed, trial_seed), (dataset, hparams_seed)
