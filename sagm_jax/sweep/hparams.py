@@ -253,7 +253,8 @@ def random_hparams(
     the update rule ``algorithm`` with ``objective`` (and DISAM at ``disam_lambda`` > 0,
     its setting-0 value) on ``dataset``, drawn as DomainBed draws (module docstring);
     on a ViT ``arch`` the dropout under DomainBed's name ``vit_dropout``. ``space``
-    (:data:`SPACES`) "diwa" draws the shared keys from DiWA's mild ranges instead.
+    (:data:`SPACES`) "diwa" draws the shared keys from DiWA's mild ranges instead, "eoa"
+    from EoA's experiments' (:func:`eoa_shared_hparams`).
 
     >>> random_hparams("erm", "PACS", 0, 0)
     {'lr': 5e-05, 'batch_per_env': 32, 'weight_decay': 0.0, 'dropout': 0.0}

@@ -309,7 +309,7 @@ def test_diwa_space_keeps_the_methods_own_draws_and_refuses_an_unknown_space():
     }}
     # ARM's fixed batch of 8 is DomainBed's; DiWA's registry fixes 32 for every method.
     assert diwa_hparams("PACS", 4, 1, objective="arm")["batch_per_env"] == 32
-    with pytest.raises(ValueError, match="search space .soup.: expected one of domainbed, diwa, eoa"):
+    with pytest.raises(ValueError, match="space .soup.: expected one of domainbed, diwa, eoa"):
         random_hparams("erm", "PACS", 1, 0, space="soup")
 
 
