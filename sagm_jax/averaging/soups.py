@@ -143,50 +143,67 @@ def _read_variables(path: str, weights: str, config: dict, step: int | None):
     return checkpoints.restore_variables(path, step), int(step), record
 
 
-def _member(path: str, weights: str) -> tuple[Member, list]:
-    """The member at ``path`` and its parameter tree's ``(path, shape, dtype)`` list."""
-    import jax
+@dataclasses.dataclass(frozen=True)
+class _RunFiles:
+    """What a run directory says of its run before its weights are read."""
 
+    path: str
+    config: dict
+    run_info: dict
+    split: dict
+
+
+def _run_files(path: str) -> _RunFiles:
     path = os.path.abspath(path)
     if not os.path.exists(os.path.join(path, rundir.DONE)):
         raise ValueError(
             f"{path}: not a finished run (no '{rundir.DONE}' file); a soup averages "
             "finished runs."
         )
-    config = rundir.read_config(path)
-    variables, step, record = _read_variables(path, weights, config, None)
     with open(os.path.join(path, rundir.SPLIT)) as f:
         split = json.load(f)
-    info = rundir.read_run_info(path)
+    return _RunFiles(path, rundir.read_config(path), rundir.read_run_info(path), split)
+
+
+def _member(files: _RunFiles, weights: str) -> tuple[Member, list]:
+    """The member of run ``files`` and its parameter tree's ``(path, shape, dtype)``
+    list."""
+    import jax
+
+    variables, step, record = _read_variables(files.path, weights, files.config, None)
     tree = [
         (jax.tree_util.keystr(key), tuple(np.shape(leaf)), str(np.asarray(leaf).dtype))
         for key, leaf in jax.tree_util.tree_leaves_with_path(variables["params"])
     ]
-    score = validation_accuracy(record, info["train_envs"])
-    member = Member(path, weights, step, weights_sha256(variables), score, record, config,
-                    info, split)
+    score = validation_accuracy(record, files.run_info["train_envs"])
+    member = Member(files.path, weights, step, weights_sha256(variables), score, record,
+                    files.config, files.run_info, files.split)
     return member, tree
 
 
-def _differences(first: Member, first_tree: list, member: Member, tree: list) -> list[str]:
-    """What keeps ``member`` out of a soup whose first member is ``first``, in words."""
+def _differences(first: Member, files: _RunFiles) -> list[str]:
+    """What keeps run ``files`` out of a soup whose first member is ``first``, in words
+    (the parameter trees are compared once the weights are read)."""
     from sagm_jax.data import splits
 
     found = [
-        f"{key} {first.config.get(key)!r} -> {member.config.get(key)!r}"
+        f"{key} {first.config.get(key)!r} -> {files.config.get(key)!r}"
         for key in ("dataset", "arch")
-        if first.config.get(key) != member.config.get(key)
+        if first.config.get(key) != files.config.get(key)
     ]
-    envs = [sorted(int(e) for e in m.config["test_envs"]) for m in (first, member)]
+    envs = [sorted(int(e) for e in c["test_envs"]) for c in (first.config, files.config)]
     if envs[0] != envs[1]:
         found.append(f"test_envs {envs[0]} -> {envs[1]}")
-    if first_tree != tree:
-        ours, theirs = set(first_tree), set(tree)
-        odd = sorted(ours ^ theirs)[:3]
-        found.append(f"the parameter trees differ ({len(ours ^ theirs)} leaves, e.g. {odd})")
     if not found:
-        found += splits.split_changes(first.split, member.split)
+        found += splits.split_changes(first.split, files.split)
     return found
+
+
+def _tree_differences(first_tree: list, tree: list) -> list[str]:
+    if first_tree == tree:
+        return []
+    odd = sorted(set(first_tree) ^ set(tree))
+    return [f"the parameter trees differ ({len(odd)} leaves, e.g. {odd[:3]})"]
 
 
 def members_of(workdirs: Sequence[str], weights: str) -> list[Member]:
@@ -200,20 +217,21 @@ def members_of(workdirs: Sequence[str], weights: str) -> list[Member]:
         raise ValueError("A soup needs at least one run directory.")
     members, first_tree = [], None
     for workdir in workdirs:
-        member, tree = _member(workdir, weights)
-        if any(m.path == member.path for m in members):
-            raise ValueError(f"{member.path}: listed twice; a member joins a soup once.")
-        if members:
-            problems = _differences(members[0], first_tree, member, tree)
-            if problems:
-                more = f"; and {len(problems) - 4} more" if len(problems) > 4 else ""
-                raise ValueError(
-                    f"{member.path} cannot join the runs of {members[0].path}: "
-                    f"{'; '.join(problems[:4])}{more}. A soup averages runs of one dataset, test "
-                    "environments, network and data split."
-                )
-        else:
-            first_tree = tree
+        files = _run_files(workdir)
+        if any(m.path == files.path for m in members):
+            raise ValueError(f"{files.path}: listed twice; a member joins a soup once.")
+        problems = _differences(members[0], files) if members else []
+        if not problems:
+            member, tree = _member(files, weights)
+            first_tree = first_tree or tree
+            problems = _tree_differences(first_tree, tree)
+        if problems:
+            more = f"; and {len(problems) - 4} more" if len(problems) > 4 else ""
+            raise ValueError(
+                f"{files.path} cannot join the runs of {members[0].path}: "
+                f"{'; '.join(problems[:4])}{more}. A soup averages runs of one dataset, "
+                "test environments, network and data split."
+            )
         members.append(member)
     return members
 
@@ -446,7 +464,7 @@ def soup_label(members: Sequence[Member], selection: str) -> str:
     from sagm_jax import methods
     from sagm_jax.results.records import method_name
 
-    rows = {m.path: method_name(m.record) for m in members}
+    rows = {m.path: method_name(dict(m.record, config=m.config)) for m in members}
     if len(set(rows.values())) > 1:
         listed = "; ".join(f"{path}: {row}" for path, row in rows.items())
         raise ValueError(
