@@ -285,6 +285,21 @@ FIELDS: dict[str, tuple[Field, ...]] = {
             "the linear probe's learning rate (0 = config.lr)",
             checks.number(">= 0"),
         ),
+        Field(
+            "lr_plateau",
+            False,
+            "ERM++'s stage 1: after the linear phase each evaluation steps torch's "
+            "ReduceLROnPlateau (factor 0.1, patience 1) on the validation loss; the run stops "
+            "at its third change (sagm_jax.averaging.erm_plusplus)",
+            checks.BOOL,
+        ),
+        Field(
+            "lr_schedule",
+            (),
+            "ERM++'s stage 2: the learning rate (a factor of lr) set after each evaluation "
+            "from the end of the linear phase on, replayed from stage 1",
+            checks.lr_schedule,
+        ),
     ),
     "step": (
         Field(

@@ -181,3 +181,12 @@ def moving_average_batchnorm_forward(value, config, device_count):
             "statistics only where BatchNorm trains (its freeze_bn False); use "
             "--config.freeze_batchnorm=False"
         )
+
+
+def lr_schedule(value, config, device_count):
+    """Factors >= 0 of the learning rate; not with ``lr_plateau`` (which makes them)."""
+    expected = "learning-rate factors >= 0, one per evaluation after the linear phase"
+    if not isinstance(value, (tuple, list)) or not all(is_number(f) and f >= 0 for f in value):
+        return expected
+    if value and config.get("lr_plateau") is True:
+        return "() with config.lr_plateau=True (the plateau makes the schedule; stage 2 replays it)"

@@ -19,8 +19,13 @@ returns the paper's SAGM setting, or that setting changed by one preset of
 * ``miro_swag``: "Pushing the limits", MIRO + SWAD on SWAG's RegNetY-16GF at batch 16
   (its README: 77.3% average), lambda 0.01 but DomainNet's 0.1.
 
-The algorithm stays the file's (SAGM): ``--config.algorithm=erm`` gives the published
-runs' update rule. Later ``--config.KEY=VALUE`` flags override a preset's values.
+* ``erm_plusplus``: ERM++ (DomainBed HEAD's ``ERMPlusPlus`` defaults): ERM, a linear
+  probe of 501 updates at linear_lr 5e-5, the moving average from update 600, the AugMix
+  ResNet-50 with BatchNorm trained, and the learning-rate plateau of its training script
+  (``python -m sagm_jax.averaging.erm_plusplus`` runs both of its stages).
+
+The algorithm stays the file's (SAGM), ``erm_plusplus`` aside (ERM):
+``--config.algorithm=erm`` gives the published runs' update rule. Later ``--config.KEY=VALUE`` flags override a preset's values.
 """
 
 from __future__ import annotations
@@ -70,6 +75,30 @@ def _miro_swag(config):
     config.miro_ld = _table(MIRO_SWAG_LD, config.dataset, "miro_swag")
 
 
+# ERM++'s defaults (facebookresearch/DomainBed domainbed/hparams_registry.py, the
+# unconditional block and ERMPlusPlus's): linear_steps 500 (its update runs 501 linear
+# updates: ``global_iter > linear_steps`` counts the updates before, linear_probe's doc),
+# linear_lr 5e-5; the moving average from update 600 (lib/misc.py ErmPlusPlusMovingAvg's
+# sma_start_iter); freeze_bn False, lars False.
+ERM_PLUSPLUS_LINEAR_STEPS, ERM_PLUSPLUS_LINEAR_LR, ERM_PLUSPLUS_AVERAGE_START = 500, 5e-5, 600
+
+
+def _erm_plusplus(config):
+    """ERM++ (stage 1 of its training script, the learning-rate plateau on; the two
+    stages: ``sagm_jax.averaging.erm_plusplus``). Images: the AugMix ResNet-50 with its
+    BatchNorm trained and the moving average's statistics updated by a training forward
+    of each step's batch, lr 5e-5, batch 32, weight decay 0, dropout 0. The MNIST CNN
+    (GroupNorm: no BatchNorm) keeps the file's small-image settings (DomainBed's
+    SMALL_IMAGES lr 1e-3, batch 64, weight decay 0)."""
+    if config.arch != "mnist_cnn":
+        _domainbed_head(config)
+        config.moving_average_batchnorm_forward = True
+    config.algorithm, config.objective = "erm", "erm"
+    config.linear_steps, config.linear_lr = ERM_PLUSPLUS_LINEAR_STEPS + 1, ERM_PLUSPLUS_LINEAR_LR
+    config.moving_average, config.moving_average_start = True, ERM_PLUSPLUS_AVERAGE_START
+    config.lr_plateau = True
+
+
 def _table(table, dataset, preset):
     if dataset not in table:
         raise ValueError(f"config preset {preset!r} is published for {', '.join(table)}; "
@@ -82,6 +111,7 @@ PRESETS = {
     "miro": _miro,
     "miro_swad": _miro_swad,
     "miro_swag": _miro_swag,
+    "erm_plusplus": _erm_plusplus,
 }
 
 

@@ -77,6 +77,7 @@ from sagm_jax.training.rundir import (
 )
 from sagm_jax.results.selection import training_domain_validation, validation_accuracy
 from sagm_jax.averaging.swad import SwadRun
+from sagm_jax.averaging import erm_plusplus
 from sagm_jax.training.summary import markdown_test_accuracies, print_summary
 from sagm_jax.training.train_step import create_train_state, data_parallel_train_step
 
@@ -216,10 +217,13 @@ def initial_state(config, variables, optimizer, num_domains: int):
         window = swad.segment_window(config.swad_n_tolerance, config.swad_n_converge)
         averages = averaging.init_averages(variables["params"], window)
     average = moving_average.init_moving_average(variables) if config.moving_average else None
-    return create_train_state(
+    state = create_train_state(
         variables, optimizer, objectives.init_state(config.objective, num_domains), averages,
         average,
     )
+    if config.lr_plateau or config.lr_schedule:  # ERM++'s learning-rate factor
+        state = state.replace(lr_factor=jnp.ones([], jnp.float32))
+    return state
 
 
 def open_run(config, mesh=None) -> tuple[Program, dict]:
@@ -285,7 +289,9 @@ def train_one_run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]
         print(f"{workdir}: resumed at step {int(state.step)}.")
     records = records_before(config, program, rundir, checkpoints, state)
     swad_run = SwadRun(config, program.train_envs, records) if config.swad else None
-    new_records, state = _training_loop(config, program, rundir, checkpoints, state, swad_run)
+    lr_run = erm_plusplus.learning_rate_run(config, program.train_envs, records)
+    new_records, state = _training_loop(config, program, rundir, checkpoints, state, swad_run,
+                                        lr_run)
     records += new_records
     swad_record = None
     if swad_run is not None:
@@ -384,7 +390,8 @@ def _restored(checkpoints: Checkpoints, step: int, state, workdir: str):
 
 
 def _training_loop(
-    config, program: Program, rundir: RunDir, checkpoints: Checkpoints, state, swad_run
+    config, program: Program, rundir: RunDir, checkpoints: Checkpoints, state, swad_run,
+    lr_run=None,
 ):
     """Steps from ``state.step`` to ``config.steps`` (or to the end of SWAD's loss valley);
     returns the new records and the last state."""
@@ -409,6 +416,8 @@ def _training_loop(
         for t in range(start, config.steps):
             if swad_run is not None and swad_run.stopped:
                 break
+            if lr_run is not None and lr_run.stopped:  # ERM++'s stage 1 ends
+                break
             state, metrics = program.train_step(state, next(batches), step_key)
             sums = accumulate(sums, metrics)
             progress.update(1)
@@ -423,6 +432,8 @@ def _training_loop(
                 writer.write_scalars(t, {k: v for k, v in record.items() if k.endswith("_acc")})
                 if swad_run is not None:
                     state = swad_run.after_evaluation(state, record)
+                if lr_run is not None:  # ERM++'s learning rate after this evaluation
+                    state = lr_run.after_evaluation(state, record)
                 validation = validation_accuracy(record, program.train_envs)
                 checkpoints.save(t, state, validation, means)
                 sums = None

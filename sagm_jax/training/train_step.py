@@ -80,6 +80,9 @@ class TrainState:
     averages: Any = None  # SWAD's weight averages (sagm_jax.averaging.swad_averages); {} without SWAD
     # The weights' moving average (sagm_jax.averaging.moving_average); {} without it.
     moving_average: Any = None
+    # ERM++'s learning-rate factor, set on the host after an evaluation
+    # (sagm_jax.averaging.erm_plusplus); {} without its plateau or schedule.
+    lr_factor: Any = None
 
 
 def create_train_state(variables, optimizer, objective_state=None, averages=None,
@@ -96,6 +99,7 @@ def create_train_state(variables, optimizer, objective_state=None, averages=None
         objective_state={} if objective_state is None else objective_state,
         averages={} if averages is None else averages,
         moving_average={} if moving_average is None else moving_average,
+        lr_factor={},
     )
 
 
@@ -281,7 +285,8 @@ def make_train_step(
             metrics, batch_stats = jax.lax.pmean((metrics, batch_stats), axis_name)
         state = state.replace(
             step=state.step + 1,
-            params=optax.apply_updates(state.params, rescaled(updates, state.step)),
+            params=optax.apply_updates(state.params, _times_lr_factor(
+                rescaled(updates, state.step), state.lr_factor)),
             batch_stats=batch_stats,
             opt_state=opt_state,
             objective_state=objective_state,
@@ -289,6 +294,14 @@ def make_train_step(
         return state, metrics
 
     return train_step
+
+
+def _times_lr_factor(updates, lr_factor):
+    """``updates`` times ERM++'s learning-rate factor (``{}``: none). Exact for torch's
+    Adam with coupled decay: its step is linear in lr, and the moments do not read it."""
+    if isinstance(lr_factor, dict):
+        return updates
+    return jax.tree.map(lambda u: u * lr_factor.astype(u.dtype), updates)
 
 
 def _perturbed_gradient(loss_fn, key, mixstyle, objective_state):
