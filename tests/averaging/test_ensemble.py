@@ -12,11 +12,10 @@ import shutil
 import jax
 import numpy as np
 import pytest
+from run_fixtures import digits_config
 
 from sagm_jax.averaging import ensemble
 from sagm_jax.training import loading, packed, rundir
-
-from run_fixtures import digits_config
 
 
 def _reference_accuracy(logits, labels):
@@ -104,7 +103,7 @@ def test_the_ensemble_of_two_runs_is_written_as_a_run_and_printed(members, capsy
     images = np.concatenate([np.asarray(b["image"])[np.asarray(b["mask"], bool)] for b in batches])
     labels = np.concatenate([np.asarray(b["label"])[np.asarray(b["mask"], bool)] for b in batches])
     logits = [_apply_logits(d, s, images) for d, s in zip(dirs, steps)]
-    predictions, accuracy = _reference_accuracy(logits, labels)
+    _, accuracy = _reference_accuracy(logits, labels)
     assert abs(record["env0_in_acc"] - accuracy) <= 1 / len(labels)
     whole = record["ensemble"]["whole_env_acc"]["0"]
     n_in, n_out = len(dataset.splits[0]["in"]), len(dataset.splits[0]["out"])
@@ -127,8 +126,8 @@ def _copy_with(src, dst, **config):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("change, words", [
-    (dict(test_envs=[1]), ["test_envs [0] -> [1]"]),
-    (dict(moving_average=False), ["--config.moving_average=True"]),
+    ({"test_envs": [1]}, ["test_envs [0] -> [1]"]),
+    ({"moving_average": False}, ["--config.moving_average=True"]),
 ])
 def test_members_that_differ_are_refused_naming_the_run(members, tmp_path, change, words):
     _, dirs = members

@@ -10,13 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from run_fixtures import assert_the_evaluation_reproduces_the_record, digits_config
 
 from sagm_jax.averaging import moving_average
 from sagm_jax.config import config_problems
 from sagm_jax.training import loading, packed, rundir, train
 from sagm_jax.training.checkpoints import restore_variables, saved_steps
-
-from run_fixtures import assert_the_evaluation_reproduces_the_record, digits_config
 
 
 def _weights(k, rng):
@@ -39,7 +38,8 @@ def _update_sma(weights, start):
     for k in range(1, len(weights)):
         if k >= start:
             count += 1
-            average = [(a * count + np.float64(w)) / (1.0 + count) for a, w in zip(average, flat[k])]
+            average = [(a * count + np.float64(w)) / (1.0 + count)
+                       for a, w in zip(average, flat[k])]
         else:
             average = [np.array(w, np.float64) for w in flat[k]]
         history.append((average, count))
@@ -106,15 +106,16 @@ def test_erm_plus_plus_forward_moves_the_averages_statistics_toward_the_batch():
             np.testing.assert_allclose(np.asarray(average.batch_stats["bn"][name]), want,
                                        rtol=1e-5, atol=1e-6)
         # The weights are the average's, untouched by the forward.
-        np.testing.assert_array_equal(average.params["dense"]["kernel"], kernel64.astype(np.float32))
+        np.testing.assert_array_equal(average.params["dense"]["kernel"],
+                                      kernel64.astype(np.float32))
 
 
 @pytest.mark.parametrize("overrides, words", [
-    (dict(moving_average=True, swad=True), ["config.moving_average=True", "config.swad=True"]),
-    (dict(moving_average_batchnorm_forward=True), ["without config.moving_average=True"]),
-    (dict(moving_average=True, moving_average_batchnorm_forward=True),
+    ({"moving_average": True, "swad": True}, ["config.moving_average=True", "config.swad=True"]),
+    ({"moving_average_batchnorm_forward": True}, ["without config.moving_average=True"]),
+    ({"moving_average": True, "moving_average_batchnorm_forward": True},
      ["config.freeze_batchnorm=True", "--config.freeze_batchnorm=False"]),
-    (dict(moving_average_start=0), ["config.moving_average_start=0"]),
+    ({"moving_average_start": 0}, ["config.moving_average_start=0"]),
 ])
 def test_settings_a_moving_average_cannot_honour_are_named(overrides, words):
     problems = "\n".join(config_problems(digits_config(**overrides)))
@@ -253,10 +254,48 @@ def test_each_run_of_a_pack_keeps_its_own_average(tmp_path, monkeypatch):
     averages = []
     for r, workdir in enumerate(dirs):
         _, variables, record = loading.load_run(workdir, 4)
-        want = jax.tree.map(lambda *p: np.mean(np.stack(p).astype(np.float64), 0)[r],
+        want = jax.tree.map(lambda *p, r=r: np.mean(np.stack(p).astype(np.float64), 0)[r],
                             *trajectory[START - 2:])
         for got, w in zip(jax.tree.leaves(variables["params"]), jax.tree.leaves(want)):
             np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6)
         assert record["moving_average"]["count"] == 4 + 2 - START
         averages.append(jax.tree.leaves(variables["params"])[0])
     assert not np.allclose(averages[0], averages[1])
+
+
+@pytest.mark.slow
+def test_erm_plus_plus_forward_in_a_run_with_trainable_batchnorm(tmp_path, monkeypatch):
+    """A (reduced: one block of 8 channels per stage) ResNet-18 run with trainable
+    BatchNorm, before its average starts (update 2 <
+    S = 10: the average is a copy of the weights), with ERM++'s forward: the average's
+    first BatchNorm mean after step 1 is ``0.9 m + 0.1 batch``, ``m`` the trained
+    network's, ``batch`` the mean of the first convolution's output on step 1's batch,
+    computed here in float64 (the digits need no augmentation)."""
+    from sagm_jax import data as data_lib
+    from sagm_jax.models import resnet
+
+    monkeypatch.setitem(resnet.ARCHITECTURES, "resnet18", ("basic", (1, 1, 1, 1)))
+    monkeypatch.setattr(resnet, "STAGE_WIDTHS", (8, 8, 8, 8))
+    config = digits_config(
+        arch="resnet18", pretrained_weights="none", freeze_batchnorm=False, algorithm="erm",
+        steps=2, eval_every=1, moving_average=True, moving_average_start=10,
+        moving_average_batchnorm_forward=True,
+    )
+    train.train_and_evaluate(config, str(tmp_path))
+    average = restore_variables(str(tmp_path), 1)
+    trained = restore_variables(str(tmp_path), 1, moving_average=False)
+    for got, want in zip(jax.tree.leaves(average["params"]), jax.tree.leaves(trained["params"]),
+                         strict=True):
+        np.testing.assert_array_equal(got, want)
+    kernel = np.asarray(trained["params"]["conv1"]["kernel"], np.float64)
+    batch = next(data_lib.from_config(config).train_iterator(
+        range(1, 6), seed=0, batch_per_env=8, start_step=1))
+    out = jax.lax.conv_general_dilated(
+        np.asarray(batch["image"], np.float64), kernel, (2, 2), ((3, 3), (3, 3)),
+        dimension_numbers=("NHWC", "HWIO", "NHWC"), precision=jax.lax.Precision.HIGHEST,
+    )
+    want = (0.9 * np.asarray(trained["batch_stats"]["bn1"]["mean"], np.float64)
+            + 0.1 * np.asarray(out).mean(axis=(0, 1, 2)))
+    got = np.asarray(average["batch_stats"]["bn1"]["mean"])
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-5)
+    assert not np.allclose(got, trained["batch_stats"]["bn1"]["mean"])
