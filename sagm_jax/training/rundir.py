@@ -105,8 +105,10 @@ RESULT_FREE = ("data_dir", "cache_dir", "store_budget_gb", "eval_cache_gb", "log
 
 # Config fields added after runs were written: a config.json without the key ran as this
 # value says (before eval_splits existed, every part of every environment was evaluated),
-# so a relaunch of such a run with that value is the same run.
-ABSENT_MEANS = {"eval_splits": "all"}
+# so a relaunch of such a run with that value is the same run. Before the moving average
+# (sagm_jax.averaging.moving_average) existed, a run predicted with its weights.
+ABSENT_MEANS = {"eval_splits": "all", "moving_average": False, "moving_average_start": 100,
+                "moving_average_batchnorm_forward": False}
 
 
 def result_free_keys(config_dict: dict) -> tuple[str, ...]:

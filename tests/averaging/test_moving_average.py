@@ -299,3 +299,14 @@ def test_erm_plus_plus_forward_in_a_run_with_trainable_batchnorm(tmp_path, monke
     got = np.asarray(average["batch_stats"]["bn1"]["mean"])
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-5)
     assert not np.allclose(got, trained["batch_stats"]["bn1"]["mean"])
+
+
+def test_a_run_written_before_the_moving_average_existed_is_the_same_run(tmp_path):
+    """A config.json without the moving average's keys ran without one: relaunched with
+    their defaults it is the same run; with config.moving_average=True it is another."""
+    config = digits_config().to_dict()
+    written = {k: v for k, v in config.items() if not k.startswith("moving_average")}
+    rundir.write_json(str(tmp_path / rundir.CONFIG), written)
+    assert rundir.config_differences(str(tmp_path), config) == []
+    assert rundir.config_differences(str(tmp_path), {**config, "moving_average": True}) == [
+        "moving_average"]
