@@ -4,7 +4,11 @@ This module owns the average a run keeps in its train state (``TrainState.moving
 ``{}`` without ``config.moving_average``) and what the run does with it: with
 ``config.moving_average`` the run predicts with the average, so its records are the
 average's accuracies, its best checkpoint is the average's best step, and ``load_run``
-gives the average's variables (``sagm_jax.training.checkpoints.restore_variables``).
+gives the average's variables (``sagm_jax.training.checkpoints.restore_variables``). The
+best step is EoA's ``best_model.pkl`` (salesforce/ensemble-of-averages
+domainbed/scripts/train.py: saved when ``best_acc < agg_val_acc``, a strict improvement of
+the training environments' mean ``out`` accuracy), which is our selection's rule: the
+highest, the earliest on a tie (``results.selection.training_domain_validation``).
 
 The rule, as the references compute it (salesforce/ensemble-of-averages
 domainbed/algorithms.py ``MovingAvg.update_sma``; DomainBed domainbed/lib/misc.py
