@@ -29,6 +29,14 @@ The references average the network's whole ``state_dict`` but ``num_batches_trac
 the BatchNorm running statistics too (frozen BatchNorm, our default, keeps them constant,
 so their average is that constant up to float32 rounding, as in the references).
 
+DiWA's ``MA`` (alexrame/diwa domainbed/algorithms.py ``MA.update_ma``, the same start
+100) differs in two details, not reproduced here: it averages ``parameters()`` only (the
+BatchNorm buffers stay the initial network's; with frozen BatchNorm the same), and before
+the start its ``param_k.data = param_q.data`` makes the averaged network share the
+trained network's tensors, which the optimizer then updates in place, so its first
+average is ``(w_S + w_S) / 2``: ``w_S`` counted twice where EoA's rule counts
+``w_{S-1}`` and ``w_S``.
+
 ERM++'s BatchNorm quirk (DomainBed domainbed/algorithms.py ``ERMPlusPlus.update``: ``if
 not freeze_bn: network_sma.train(); network_sma(all_x)``), ``config.moving_average_
 batchnorm_forward``: with trainable BatchNorm, after the averaging, one training-mode
