@@ -27,15 +27,17 @@ in the train state (``TrainState.lr_factor``; scaling Adam's update is exact, it
 is linear in lr), set on the host after the evaluation, and, on a resume, rebuilt by
 replaying the recorded losses (as ``SwadRun`` rebuilds its valley).
 
-Stage 2 (``DIR/stage2``, ``config.lr_schedule``): trains again from scratch with the
-schedule replayed (the factor after each evaluation past the linear phase, stage 1's)
-and stops where stage 1 stopped (``steps`` = stage 1's last step + 1). Its records are
-labelled "ERM++" (``rundir.record_algorithm``).
+Stage 2 (``DIR/stage2``, ``config.lr_schedule``, ``config.split = "full_data"``):
+trains again from scratch on the whole of every training environment (the reference's
+``holdout_fraction = 0``) with the schedule replayed (the factor after each evaluation
+past the linear phase, stage 1's) and stops where stage 1 stopped (``steps`` = stage
+1's last step + 1). Its test environments' ``env{i}_in_acc`` is the whole environment's
+(the reference's ``fd_env{i}_in_acc``); the 'out' parts it also records are DomainBed's
+'out' parts, trained on here (``data.splits.full_data_split``): no model selection
+should read them; stage 2's result is its last record. Its records are labelled "ERM++"
+(``rundir.record_algorithm``).
 
 Differences from the reference, stated:
-* Stage 2 trains on the DomainBed split as stage 1 does; the reference retrains on the
-  whole of every training environment (``holdout_fraction = 0``, its ``fd_env{i}_in_acc``),
-  which our evaluator cannot record (it refuses empty 'out' parts).
 * The validation loss is the per-example mean over each 'out' part
   (``training.evaluation``); the reference's ``set_lr`` takes each loader's mean of its
   64-example batches' means (the last, smaller batch weighs as a full one).
@@ -146,8 +148,10 @@ def learning_rate_run(config, train_envs, records):
     return None
 
 
-def stage_configs(config):
-    """``(stage 1's config, a function of stage 1's records -> stage 2's config)``."""
+def stage_configs(config, full_data: bool = True):
+    """``(stage 1's config, a function of stage 1's records and training environments ->
+    stage 2's config)``. Stage 2 trains on the whole of each environment (the split
+    ``full_data``) unless ``full_data`` is False (its own split: the same as stage 1's)."""
     first = copy.deepcopy(config)
     first.lr_plateau, first.lr_schedule = True, ()
 
@@ -157,18 +161,23 @@ def stage_configs(config):
         config2.lr_plateau = False
         config2.lr_schedule = tuple(run.factors) or (1.0,)
         config2.steps = int(records[-1]["step"]) + 1
+        if full_data:
+            config2.split = "full_data"
         return config2
 
     return first, second
 
 
-def train_erm_plusplus(config, workdir: str) -> dict:
+def train_erm_plusplus(config, workdir: str, full_data: bool = True) -> dict:
     """Both stages, as ``DIR/stage1`` and ``DIR/stage2``; prints the chosen length and
     stage 2's test accuracy; returns ``{"steps", "schedule", "test_acc", "stage1",
-    "stage2"}`` (the records of each stage)."""
+    "stage2"}`` (the records of each stage). ``full_data``: see :func:`stage_configs`."""
     from sagm_jax.training.train import train_one_run
 
-    first, second = stage_configs(config)
+    if config.split != "domainbed":
+        raise ValueError(f"config.split={config.split}: ERM++'s stages split as DomainBed "
+                         "does (stage 1 'domainbed', stage 2 'full_data'); expected domainbed.")
+    first, second = stage_configs(config, full_data)
     records1 = train_one_run(first, os.path.join(workdir, "stage1"))
     config2 = second(records1, _train_envs(records1[-1]))
     print(f"ERM++: stage 1 chose {config2.steps} steps; learning-rate factors after "

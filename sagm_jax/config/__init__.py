@@ -99,8 +99,9 @@ FIELDS: dict[str, tuple[Field, ...]] = {
         Field(
             "split",
             "domainbed",
-            "'domainbed' (80/20) or 'in_domain' (60/20/20, the paper's Table 2)",
-            checks.OneOf(("domainbed", "in_domain")),
+            "'domainbed' (80/20), 'in_domain' (60/20/20, the paper's Table 2) or 'full_data' "
+            "(ERM++'s stage 2: 'in' is the whole environment, 'out' a part of it)",
+            checks.OneOf(("domainbed", "in_domain", "full_data")),
         ),
         Field(
             "batch_per_env",

@@ -100,6 +100,11 @@ class DomainBedData:
     def _split(sizes, trial_seed, holdout_fraction, split):
         if split == "in_domain":
             return [splits_lib.in_domain_split(n, trial_seed, i) for i, n in enumerate(sizes)]
+        if split == "full_data":  # ERM++'s second stage
+            return [
+                splits_lib.full_data_split(n, trial_seed, i, holdout_fraction)
+                for i, n in enumerate(sizes)
+            ]
         return [
             splits_lib.holdout_split(n, trial_seed, i, holdout_fraction)
             for i, n in enumerate(sizes)

@@ -217,6 +217,10 @@ def tf_data_source(index, image_size: int):
     return tf_input.TFDataSource(index, image_size)
 
 
+# The split rules ``load`` takes (``splits.py``).
+SPLITS = ("domainbed", "in_domain", "full_data")
+
+
 def load(
     name: str,
     data_dir: str | None,
@@ -234,8 +238,9 @@ def load(
 ):
     """Open dataset ``name`` and split it for ``trial_seed``; returns ``DomainBedData``.
 
-    split: 'domainbed' (in/out by ``holdout_fraction``) or 'in_domain' (the 60/20/20
-    train/val/test of the paper's Table 2 as 'in'/'out'/'test'; see ``splits.py``).
+    split: 'domainbed' (in/out by ``holdout_fraction``), 'in_domain' (the 60/20/20
+    train/val/test of the paper's Table 2 as 'in'/'out'/'test') or 'full_data' (ERM++'s
+    second stage: 'in' the whole environment; see ``splits.py``).
     skip_bad_files: drop files that do not decode instead of raising (reported in
     ``.skipped`` and the fingerprint). verify_images: decode-check every file (cached
     in ``cache_dir``; None disables the cache). data_seed: the shuffle and coin flips
@@ -250,8 +255,8 @@ def load(
     from sagm_jax.data.dataset import DomainBedData
 
     spec = get_spec(name)
-    if split not in ("domainbed", "in_domain"):
-        raise ValueError(f"split must be 'domainbed' or 'in_domain', got {split!r}")
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}; got {split!r}")
     if spec.kind == "array":
         source = spec.build(data_dir, data_seed)
         return DomainBedData.from_arrays(

@@ -19,6 +19,9 @@ examples and a trial seed::
 
 Both index lists keep the shuffled order, as DomainBed's ``_SplitDataset`` does.
 
+Full-data split (ERM++'s second stage, :func:`full_data_split`): 'in' is every key, 'out'
+DomainBed's 'out' (inside 'in', for the record's keys only).
+
 In-domain split (the 60/20/20 train/val/test of the paper's Table 2), defined here
 with the same shuffled keys, so that its validation part IS DomainBed's "out" split
 and the model selection data are unchanged between the two experiments::
@@ -69,6 +72,19 @@ def in_domain_split(
     keys = shuffled_keys(n, trial_seed, env_index)
     n_val, n_test = int(n * val_fraction), int(n * test_fraction)
     return {"in": keys[n_val + n_test :], "out": keys[:n_val], "test": keys[n_val : n_val + n_test]}
+
+
+def full_data_split(
+    n: int, trial_seed: int, env_index: int, holdout_fraction: float = 0.2
+) -> dict[str, np.ndarray]:
+    """ERM++'s second stage (DomainBed ``scripts/train_autolr.py``, ``holdout_fraction =
+    0``): ``'in'`` is the whole environment (the shuffled keys), so a training
+    environment trains on all of it and a test environment's ``'in'`` accuracy is the
+    whole environment's (the reference's ``fd_env{i}_in_acc``); ``'out'`` is the DomainBed
+    split's ``'out'``, a part of ``'in'`` kept so that a record has every key a run's
+    has: its accuracies are not held out, and no model selection should read them."""
+    keys = shuffled_keys(n, trial_seed, env_index)
+    return {"in": keys, "out": holdout_split(n, trial_seed, env_index, holdout_fraction)["out"]}
 
 
 def is_image_file(name: str) -> bool:

@@ -126,6 +126,13 @@ def program_problems(config_dicts: list[dict]) -> list[str]:
             problems.append("perturbation=per_device (m-sharpness over devices) is not packed")
         if config.get("all_test_envs"):
             problems.append("all_test_envs=True: a pack's runs are single runs")
+        if config.get("lr_plateau") or config.get("lr_schedule"):
+            problems.append("lr_plateau/lr_schedule (ERM++'s learning rate, set on the host "
+                            "after each evaluation) is not packed")
+    probes = {int(c.get("linear_steps", 0)) > 0 for c in config_dicts}
+    if len(probes) > 1:  # the probe wraps the optimizer state: a run alone has another
+        problems.append("linear_steps is 0 in some runs and > 0 in others (a linear probe "
+                        "changes the optimizer state's structure); pack them apart")
     return problems
 
 

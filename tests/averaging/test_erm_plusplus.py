@@ -91,7 +91,8 @@ def two_stages(tmp_path_factory):
         algorithm="erm", lr=5e-6, linear_steps=2, linear_lr=1e-7, moving_average=True,
         moving_average_start=3, steps=41, eval_every=2)
     workdir = str(tmp_path_factory.mktemp("ermpp"))
-    return erm_plusplus.train_erm_plusplus(config, workdir), workdir
+    # Stage 2 on stage 1's split, so that its replay can be compared with stage 1.
+    return erm_plusplus.train_erm_plusplus(config, workdir, full_data=False), workdir
 
 
 def test_stage_one_stops_at_the_third_change_and_stage_two_replays(two_stages):
@@ -115,3 +116,31 @@ def test_stage_one_stops_at_the_third_change_and_stage_two_replays(two_stages):
     assert stage1[-1]["args"]["algorithm"] == "ERM"
     assert os.path.exists(os.path.join(workdir, "stage2", "done"))
     assert math.isfinite(result["test_acc"])
+
+
+def test_the_plateau_is_not_packed():
+    from sagm_jax.training import packed
+
+    base = digits_config(lr_plateau=True).to_dict()
+    assert any(p.startswith("lr_plateau/lr_schedule") for p in packed.program_problems(
+        [base, {**base, "seed": 1}]))
+
+
+def test_stage_two_trains_on_every_example():
+    """Stage 2's split (train_autolr.py's holdout_fraction 0): every environment's 'in'
+    is the whole environment; its 'out' is DomainBed's 'out' (inside 'in')."""
+    from sagm_jax import data as data_lib
+    from sagm_jax.data import splits
+
+    config = digits_config(lr_plateau=False, linear_steps=2)
+    first, second = erm_plusplus.stage_configs(config)
+    config2 = second([{"step": 0, "env1_out_loss": 1.0}, {"step": 4, "env1_out_loss": 1.0}], [1])
+    assert config2.split == "full_data" and config2.steps == 5
+    assert config2.lr_schedule == (1.0,) and first.lr_plateau  # step 0 is in the probe
+    full = data_lib.from_config(config2)
+    held = data_lib.from_config(config)
+    for env, parts in enumerate(full.splits):
+        n = len(held.splits[env]["in"]) + len(held.splits[env]["out"])
+        assert sorted(parts["in"]) == list(range(n))
+        assert list(parts["out"]) == list(held.splits[env]["out"])
+    assert list(splits.full_data_split(10, 0, 1)["in"]) == list(splits.shuffled_keys(10, 0, 1))

@@ -143,3 +143,15 @@ def test_linear_steps_is_refused_with_a_procedure_and_checked():
                for p in config_problems(digits_config(linear_steps=-1)))
     assert not [p for p in config_problems(digits_config(algorithm="erm", linear_steps=2))
                 if "linear" in p]
+
+
+def test_a_pack_holds_probed_runs_or_unprobed_ones():
+    """Runs whose linear_steps differ share a pack (a traced value) unless one of them has
+    none: its optimizer state would then have the probe's structure, not its own."""
+    from sagm_jax.training import packed
+
+    base = digits_config(algorithm="erm").to_dict()
+    assert packed.program_problems([{**base, "linear_steps": 3},
+                                    {**base, "linear_steps": 5}]) == []
+    problems = packed.program_problems([base, {**base, "linear_steps": 3}])
+    assert [p for p in problems if p.startswith("linear_steps is 0 in some runs")]
