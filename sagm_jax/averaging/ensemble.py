@@ -22,6 +22,12 @@ The reference's script reports a test environment's accuracy over the WHOLE
 environment (``dataset[env]``: its ``in`` and ``out`` parts together), where DomainBed's
 tables read its ``in`` part: the record keeps both (``ensemble.whole_env_acc``).
 
+The reference's sweep ensembles every run of a test environment, of both its trial seeds
+(``EoA.py`` ``get_valid_model_selection_paths``): runs of two data splits, which its
+whole-environment test accuracy tolerates. Ours refuses members of different splits
+(``soups.members_of``): the record's training environments' parts would mix one
+member's training data into another's validation. Ensemble each trial seed's runs.
+
 The ensemble is a run directory of its own (``soups.write_combined_run``: its members'
 paths and weights' SHA-256 in run_info.json, one record, no weights), labelled "EoA" or
 "<member method> + EoA" (``methods.averaging_label``)::
