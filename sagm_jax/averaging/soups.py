@@ -4,8 +4,9 @@ A soup averages the weights of M finished runs, its MEMBERS, that share one data
 test environments, network (the same parameter tree) and data split (``split.json``):
 the runs of a DiWA population fine-tuned from one shared initialisation. Each member
 gives the weights ``--weights`` names: its ``best`` checkpoint (the step training-domain
-validation selects), its ``last``, its ``swad`` model, or its ``moving_average``
-(the run's simple moving average, as ``load_run`` gives it for such a run).
+validation selects), its ``last``, its ``swad`` model, or its ``moving_average`` (the
+best step's simple moving average of a run that kept one: such a run predicts with its
+average, so its ``best`` and ``last`` are its average's too, as ``load_run`` gives them).
 
     uniform  theta = (1/M) sum_m theta_m over every member (DiWA's ``uniform``,
              alexrame/diwa domainbed/scripts/diwa.py ``main``; ``DiWA.add_weights`` in
@@ -123,22 +124,19 @@ def _read_variables(path: str, weights: str, config: dict, step: int | None):
                 "did not train with --config.swad=True."
             )
         return checkpoints.restore_swad_variables(path), int(record["step"]), record
-    if weights == "moving_average":
-        if not config.get("moving_average"):
-            raise ValueError(
-                f"{path}: --weights moving_average, but the run did not train with "
-                "--config.moving_average=True."
-            )
-        from sagm_jax.training import loading
-
-        _, variables, record = loading.load_run(path, "best" if step is None else step)
-        return variables, int(record["step"]), record
+    if weights == "moving_average" and not config.get("moving_average"):
+        raise ValueError(
+            f"{path}: --weights moving_average, but the run did not train with "
+            "--config.moving_average=True."
+        )
+    # A run that kept a moving average predicts with it: its records are the average's
+    # and restore_variables gives it (at its best step for "moving_average").
     records = rundir.read_records(path)
     if not records:
         raise ValueError(f"{path}: the run has no records ({rundir.RESULTS}).")
     if step is None:
-        step = (training_domain_validation(records, config["test_envs"])["step"]
-                if weights == "best" else records[-1]["step"])
+        step = (records[-1]["step"] if weights == "last"
+                else training_domain_validation(records, config["test_envs"])["step"])
     record = next(r for r in records if r["step"] == step)
     return checkpoints.restore_variables(path, step), int(step), record
 
@@ -549,8 +547,8 @@ def report(record: dict, members: Sequence[dict]) -> str:
         return f"  {name:<48} validation {100 * score:5.1f}   test {tests}"
 
     soup = record["soup"]
-    lines = [f"{record['algorithm']}: the {soup['weights']} weights of "
-             f"{len(soup['accepted'])} of {len(members)} members:"]
+    lines = [(f"{record['algorithm']}: the {soup['weights']} weights of "
+              f"{len(soup['accepted'])} of {len(members)} members:")]
     for k, member in enumerate(members):
         kept = "" if k in soup["accepted"] else " (left out)"
         lines.append(line(f"member {k}: {member['path']}{kept}", member["record"]))

@@ -73,7 +73,7 @@ def test_the_uniform_soup_is_the_float64_mean_of_the_members_parameters(members,
     assert soups.main(["--out", out, "--selection", "uniform", *members]) == 0
     selected = [_selected(_records(w))[0]["step"] for w in members]
     expected = _float64_mean([_checkpoint_params(w, s) for w, s in zip(members, selected)])
-    model, variables, record = loading.load_run(out, "best")
+    _, variables, record = loading.load_run(out, "best")
     _assert_params_equal(variables["params"], expected)
     # Its record is its own evaluation (argmax counted here on the unpadded batches).
     assert_the_evaluation_reproduces_the_record(out, "best")
@@ -210,6 +210,8 @@ def test_members_that_differ_are_refused_naming_the_run(members, tmp_path):
         soups.members_of([members[0], members[0]], "best")
     with pytest.raises(ValueError, match="did not train with --config.swad=True"):
         soups.members_of([members[0]], "swad")
+    with pytest.raises(ValueError, match="did not train with --config.moving_average=True"):
+        soups.members_of([members[0]], "moving_average")
     other_method = _copy(members[1], tmp_path / "method", algorithm="erm")
     with pytest.raises(ValueError, match="the members train different methods"):
         soups.make_soup([members[0], other_method], str(tmp_path / "soup"))
@@ -238,3 +240,36 @@ def test_a_soup_is_a_run_of_its_row_in_collect_results(members, tmp_path):
     _, variables, _ = loading.load_run(str(root / "soup"), "latest")
     _assert_params_equal(variables["params"],
                          _float64_mean([_checkpoint_params(w, 4) for w in members]))
+
+
+def _with_statistics(workdir, folder, value, **config):
+    """A copy of ``workdir`` whose last checkpoint (step 4) holds BatchNorm statistics
+    ``value`` beside its parameters."""
+    from sagm_jax.training import checkpoints
+
+    copy = _copy(workdir, folder, **config)
+    params = _checkpoint_params(workdir, 4)
+    shutil.rmtree(os.path.join(copy, "checkpoints"))
+    stats = {"bn": {"mean": np.full(3, value, np.float32), "var": np.ones(3, np.float32)}}
+    saved = checkpoints.Checkpoints(copy)
+    saved.save(4, {"params": jax.tree.map(np.float32, params), "batch_stats": stats}, 0.5)
+    return copy
+
+
+@pytest.mark.slow
+def test_frozen_batchnorm_statistics_must_be_the_members_own_shared_ones(members, tmp_path):
+    same = [_with_statistics(members[k], tmp_path / f"same{k}", 1.0) for k in (0, 1)]
+    soup = soups.uniform_soup(soups.members_of(same, "last"))
+    np.testing.assert_array_equal(soup["batch_stats"]["bn"]["mean"], np.ones(3))
+    expected = _float64_mean([_checkpoint_params(w, 4) for w in members[:2]])
+    _assert_params_equal(soup["params"], expected)
+    other = _with_statistics(members[2], tmp_path / "other", 2.0)
+    with pytest.raises(ValueError, match=rf"{other}: its frozen BatchNorm statistics differ "
+                       rf"from those of {same[0]}"):
+        soups.uniform_soup(soups.members_of([*same, other], "last"))
+    # Trainable BatchNorm: the statistics are re-estimated for the soup (by its
+    # evaluation, as SWAD's), so members may differ; the first's are kept until then.
+    trained = [_with_statistics(members[k], tmp_path / f"trained{k}", float(k),
+                                freeze_batchnorm=False) for k in (0, 1)]
+    soup = soups.uniform_soup(soups.members_of(trained, "last"))
+    np.testing.assert_array_equal(soup["batch_stats"]["bn"]["mean"], np.zeros(3))
