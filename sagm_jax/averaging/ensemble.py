@@ -59,10 +59,22 @@ def ensemble_prediction(logits: Sequence[np.ndarray]) -> np.ndarray:
     return np.argmax(total, axis=-1)
 
 
+_STEPS: dict = {}  # (model, dtype, image size) -> its compiled logits step, shared by members
+
+
 def _logits_step(model, compute_dtype, image_size: int):
     """Jitted ``(params, batch_stats, batch, seed, key) -> logits``: the member's network
     in evaluation mode on an evaluation batch, prepared as the run's evaluation prepares
-    it (``training.evaluation.seeded_eval_step``'s inputs and method arguments)."""
+    it (``training.evaluation.seeded_eval_step``'s inputs and method arguments). Members
+    with equal networks (Flax modules compare by their fields) share one compiled step."""
+    try:
+        return _STEPS.setdefault((model, compute_dtype, image_size),
+                                 _new_logits_step(model, compute_dtype, image_size))
+    except TypeError:  # a module with unhashable fields (a method's hyperparameters)
+        return _new_logits_step(model, compute_dtype, image_size)
+
+
+def _new_logits_step(model, compute_dtype, image_size: int):
     import jax
 
     from sagm_jax.data import device_augment
