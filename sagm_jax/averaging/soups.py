@@ -238,8 +238,10 @@ def combined_config(label: str, members: Sequence[Member]) -> dict:
     """The config of a run combined from ``members``: the first member's, with
     ``combined_label`` (its row in the tables, ``rundir.combined_label``) and
     ``combined_members`` (the members' paths and weights' SHA-256), so that two soups of
-    other members are two settings, as two runs of other hyperparameters are."""
+    other members are two settings, as two runs of other hyperparameters are; its
+    ``eval_splits`` is "all": a combined run's record holds every split part."""
     config = dict(members[0].config)
+    config["eval_splits"] = "all"  # its record holds every split part
     config[rundir.COMBINED_LABEL] = label
     config[rundir.COMBINED_MEMBERS] = [f"{m.path}@{m.step}:{m.sha256}" for m in members]
     return config
@@ -402,21 +404,26 @@ class _PrefixSums:
 
 class _Evaluation:
     """The members' data, network and evaluator (``train.open_run`` of the first
-    member's config), evaluating a soup's variables (BatchNorm re-estimated first where
-    it trains)."""
+    member's config), evaluating a soup on every split part (``eval_splits="all"``), and
+    a greedy candidate on the parts DiWA's script evaluates each candidate on (its
+    ``train`` out parts and its test environment): ``"fast"``'s. BatchNorm is
+    re-estimated first where it trains."""
 
     def __init__(self, members: Sequence[Member], statistics: _Statistics):
         import ml_collections
 
-        from sagm_jax.training import train
+        from sagm_jax.training import evaluation, train
 
-        self.config = ml_collections.ConfigDict(members[0].config)
+        self.config = ml_collections.ConfigDict(dict(members[0].config, eval_splits="all"))
         self.program, _ = train.open_run(self.config)
         self.statistics = statistics
+        self.every_part = list(self.program.evaluator.parts)
+        self.candidate_parts = evaluation.evaluated_parts(
+            self.program.dataset.splits, self.program.train_envs, "fast")
 
-    def __call__(self, variables: dict) -> tuple[dict, dict]:
-        """``(results, variables)``: the evaluator's ``env{i}_{part}_acc`` and
-        ``_loss``, and the variables evaluated."""
+    def prepare(self, variables: dict):
+        """The soup's variables on the devices, as a state the evaluator reads, its
+        BatchNorm statistics re-estimated where it trains."""
         import jax
         from flax import struct
         from jax.sharding import NamedSharding, PartitionSpec
@@ -434,8 +441,16 @@ class _Evaluation:
         state = jax.device_put(state, NamedSharding(self.program.mesh, PartitionSpec()))
         if not self.statistics.frozen and jax.tree.leaves(state.batch_stats):
             state = recompute_batchnorm(state, self.program, self.config)
-        variables = jax.device_get({"params": state.params, "batch_stats": state.batch_stats})
-        return self.program.evaluator(state), variables
+        return state
+
+    def __call__(self, state, parts) -> dict:
+        """The evaluator's ``env{i}_{part}_acc`` and ``_loss`` of ``state`` on ``parts``."""
+        evaluator = self.program.evaluator
+        evaluator.parts = list(parts)
+        try:
+            return evaluator(state)
+        finally:
+            evaluator.parts = self.every_part
 
     def merged_validation(self, results: dict) -> float:
         """The accuracy on the training environments' ``out`` parts merged into one set
@@ -475,9 +490,11 @@ def soup_label(members: Sequence[Member], selection: str) -> str:
 def make_soup(workdirs: Sequence[str], out: str, selection: str = "uniform",
               weights: str = "best", say: Callable[[str], Any] = print) -> dict:
     """Averages the finished runs ``workdirs`` (:func:`members_of`) by ``selection``
-    (``uniform`` or ``greedy``), evaluates the soup on every split part the members'
-    config evaluates and writes it as the run directory ``out``
-    (:func:`write_combined_run`). Returns its record."""
+    (``uniform`` or ``greedy``), evaluates the soup on every split part and
+    writes it as the run directory ``out`` (:func:`write_combined_run`). Returns its
+    record."""
+    import jax
+
     if selection not in SELECTIONS:
         raise ValueError(f"--selection {selection!r}: expected one of {', '.join(SELECTIONS)}.")
     members = members_of(workdirs, weights)
@@ -486,25 +503,26 @@ def make_soup(workdirs: Sequence[str], out: str, selection: str = "uniform",
     evaluate = _Evaluation(members, statistics)
     order = list(range(len(members)))
     if selection == "uniform":
-        results, variables = evaluate(uniform_soup(members, statistics))
+        state = evaluate.prepare(uniform_soup(members, statistics))
         accepted, decisions = order, None
     else:
         sums, best = _PrefixSums(members, statistics), {}
 
         def accuracy_of(candidate):
-            results, variables = evaluate(sums.mean(candidate))
-            accuracy = evaluate.merged_validation(results)
-            if accuracy >= best.get("accuracy", -float("inf")):
-                best.update(accuracy=accuracy, results=results, variables=variables)
+            state = evaluate.prepare(sums.mean(candidate))
+            accuracy = evaluate.merged_validation(evaluate(state, evaluate.candidate_parts))
+            if accuracy >= best.get("accuracy", -float("inf")):  # the rule's acceptance
+                best.update(accuracy=accuracy, state=state)
             return accuracy
 
         chosen = greedy_selection([m.score for m in members], accuracy_of, say)
-        order, accepted = chosen["order"], chosen["accepted"]
-        results, variables = best["results"], best["variables"]
+        order, accepted, state = chosen["order"], chosen["accepted"], best["state"]
         decisions = [
             {"member": i, "accuracy": a, "accepted": i in accepted}
             for i, a in zip(order, chosen["accuracies"])
         ]
+    results = evaluate(state, evaluate.every_part)
+    variables = jax.device_get({"params": state.params, "batch_stats": state.batch_stats})
     record = _soup_record(evaluate, members, out, results)
     record["soup"] = {
         "selection": selection,

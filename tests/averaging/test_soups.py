@@ -79,6 +79,9 @@ def test_the_uniform_soup_is_the_float64_mean_of_the_members_parameters(members,
     assert_the_evaluation_reproduces_the_record(out, "best")
     assert record["algorithm"] == record["args"]["algorithm"] == "SAGM + DiWA (uniform)"
     assert record["soup"]["accepted"] == [0, 1, 2]
+    # Every split part of every environment (the members' records hold the "fast" ones).
+    assert all(f"env{e}_{p}_acc" in record for e in range(6) for p in ("in", "out"))
+    assert "env1_in_acc" not in _records(members[0])[0]
     info = rundir.read_run_info(out)
     assert [m["path"] for m in info["members"]] == [os.path.abspath(w) for w in members]
     assert [m["step"] for m in info["members"]] == selected
