@@ -89,7 +89,7 @@ def two_stages(tmp_path_factory):
     never improves by 1e-4: the plateau changes the lr every other evaluation."""
     config = digits_config(
         algorithm="erm", lr=5e-6, linear_steps=2, linear_lr=1e-7, moving_average=True,
-        moving_average_start=3, steps=41, eval_every=2)
+        moving_average_start=3, steps=41, eval_every=1, checkpoint=False)
     workdir = str(tmp_path_factory.mktemp("ermpp"))
     # Stage 2 on stage 1's split, so that its replay can be compared with stage 1.
     return erm_plusplus.train_erm_plusplus(config, workdir, full_data=False), workdir
