@@ -106,9 +106,12 @@ RESULT_FREE = ("data_dir", "cache_dir", "store_budget_gb", "eval_cache_gb", "log
 # Config fields added after runs were written: a config.json without the key ran as this
 # value says (before eval_splits existed, every part of every environment was evaluated),
 # so a relaunch of such a run with that value is the same run. Before the moving average
-# (sagm_jax.averaging.moving_average) existed, a run predicted with its weights.
+# (sagm_jax.averaging.moving_average) existed, a run predicted with its weights; before
+# the linear probe and ERM++'s learning rate (sagm_jax.methods.linear_probe,
+# sagm_jax.averaging.erm_plusplus), it had neither.
 ABSENT_MEANS = {"eval_splits": "all", "moving_average": False, "moving_average_start": 100,
-                "moving_average_batchnorm_forward": False}
+                "moving_average_batchnorm_forward": False, "linear_steps": 0,
+                "linear_lr": 0.0, "lr_plateau": False, "lr_schedule": []}
 
 
 def result_free_keys(config_dict: dict) -> tuple[str, ...]:

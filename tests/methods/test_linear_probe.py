@@ -155,3 +155,19 @@ def test_a_pack_holds_probed_runs_or_unprobed_ones():
                                     {**base, "linear_steps": 5}]) == []
     problems = packed.program_problems([base, {**base, "linear_steps": 3}])
     assert [p for p in problems if p.startswith("linear_steps is 0 in some runs")]
+
+
+def test_a_run_written_before_the_probe_is_the_same_run(tmp_path):
+    """A config.json without the probe's and ERM++'s keys ran without them: relaunching
+    it with their defaults is the same run; with a probe it is another."""
+    import json
+
+    from sagm_jax.training import rundir
+
+    config = digits_config().to_dict()
+    old = {k: v for k, v in config.items()
+           if k not in ("linear_steps", "linear_lr", "lr_plateau", "lr_schedule")}
+    (tmp_path / "config.json").write_text(json.dumps(old, default=str))
+    assert rundir.config_differences(str(tmp_path), config) == []
+    assert rundir.config_differences(str(tmp_path), {**config, "linear_steps": 3}) == [
+        "linear_steps"]
