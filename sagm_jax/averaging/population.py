@@ -2,8 +2,8 @@
 
     python -m sagm_jax.averaging.population --config=configs/rotated_digits.py \\
         --workdir DIR [--recipe diwa|eoa|ratatouille] [--members 8] [--pack 8] \\
-        [--space diwa|domainbed] [--linear_probe_steps N] [--aux_runs ROOT,...] \\
-        [--config.key=value ...]
+        [--space diwa|domainbed|eoa] [--keep KEY,...] [--linear_probe_steps N] \\
+        [--aux_runs ROOT,...] [--config.key=value ...]
 
 The recipes, each as its reference runs it (docs/averaging.md):
 
@@ -15,10 +15,13 @@ The recipes, each as its reference runs it (docs/averaging.md):
   with setting ``hparams_seed = k`` of the search space ``--space`` (DiWA's mild ranges,
   ``sweep.hparams.random_hparams(space="diwa")``, or DomainBed's), each starting from
   ``DIR/init``'s last weights (``init_from``), trained ``--pack`` at a time as one
-  program (``training.packed``); (3) the soups of the members' best weights,
+  program (``training.packed``; ``--keep`` keys are not drawn: the config's value
+  stays, e.g. ``batch_per_env``, which DomainBed's space draws per run and which a pack
+  shares); (3) the soups of the members' best weights,
   ``DIR/soup_uniform`` and ``DIR/soup_greedy`` (``averaging.soups``).
-* ``eoa`` (salesforce/ensemble-of-averages README): the members train from the config's
-  own start with ``moving_average`` (each run's simple moving average, from
+* ``eoa`` (salesforce/ensemble-of-averages README): the members, drawn from EoA's space
+  (lr 5e-5, batch 32, weight decay 10^U(-6, -4)), train from the config's own start with
+  ``moving_average`` (each run's simple moving average, from
   ``moving_average_start``); their best averages are ensembled, ``DIR/ensemble``
   (``averaging.ensemble``: the sum of their logits).
 * ``ratatouille`` (facebookresearch/ModelRatatouille README): as ``diwa``, and member k's
@@ -74,15 +77,20 @@ def probe_config(config, steps: int, space: str = "diwa") -> ml_collections.Conf
 
 
 def member_config(config, recipe: str, k: int, space: str, start: str | None,
-                  featurizer: str | None) -> ml_collections.ConfigDict:
+                  featurizer: str | None, keep: tuple[str, ...] = ()) -> ml_collections.ConfigDict:
     """Member ``k``'s config: ``config`` with setting ``hparams_seed = k`` of ``space``
-    (``sweep.hparams.random_hparams``), its start and, for EoA, its moving average."""
+    (``sweep.hparams.random_hparams``) but the keys ``keep`` (the config's values stay),
+    its start and, for EoA, its moving average."""
     from sagm_jax.sweep.hparams import random_hparams
 
     member = ml_collections.ConfigDict(config.to_dict())
-    member.update(random_hparams(config.algorithm, config.dataset, k, config.trial_seed,
-                                 config.objective, config.disam_lambda, config.arch,
-                                 space=space))
+    drawn = random_hparams(config.algorithm, config.dataset, k, config.trial_seed,
+                           config.objective, config.disam_lambda, config.arch, space=space)
+    unknown = [key for key in keep if key not in drawn]
+    if unknown:
+        raise ValueError(f"--keep {','.join(unknown)}: not drawn by the search space {space!r} "
+                         f"for this method (it draws {', '.join(drawn)}).")
+    member.update({key: value for key, value in drawn.items() if key not in keep})
     member.hparams_seed = k
     if recipe == "eoa":
         member.moving_average = True
@@ -144,7 +152,7 @@ def train_members(configs: list, workdirs: list[str], pack: int) -> None:
 def run_population(config, workdir: str, recipe: str = "diwa", members: int = 8,
                    pack: int = 8, space: str | None = None,
                    linear_probe_steps: int | None = None,
-                   aux_runs: tuple[str, ...] = ()) -> dict:
+                   aux_runs: tuple[str, ...] = (), keep: tuple[str, ...] = ()) -> dict:
     """Trains the population ``recipe`` (module docstring) in ``workdir`` and averages it;
     returns ``{name: record}`` of the averages (``soup_uniform``, ``soup_greedy`` or
     ``ensemble``), after printing the members' and the averages' accuracies."""
@@ -164,23 +172,39 @@ def run_population(config, workdir: str, recipe: str = "diwa", members: int = 8,
     configs = [
         member_config(config, recipe, k, space, start,
                       auxiliary_run(list(aux_runs), config.dataset, k)
-                      if recipe == "ratatouille" else None)
+                      if recipe == "ratatouille" else None, keep)
         for k in range(1, members + 1)
     ]
     train_members(configs, dirs, pack)
+    weights = "swad" if config.swad else "best"
     if recipe == "eoa":
         from sagm_jax.averaging import ensemble
 
-        averages = {"ensemble": ensemble.make_ensemble(dirs, os.path.join(workdir, "ensemble"))}
+        makers = {"ensemble": lambda out: ensemble.make_ensemble(dirs, out)}
     else:
-        averages = {
-            f"soup_{selection}": soups.make_soup(
-                dirs, os.path.join(workdir, f"soup_{selection}"), selection, "best"
-            )
+        makers = {
+            f"soup_{selection}": lambda out, s=selection: soups.make_soup(dirs, out, s, weights)
             for selection in soups.SELECTIONS
         }
+    averages = {}
+    for name, make in makers.items():
+        out = os.path.join(workdir, name)
+        averages[name] = finished_average(out, dirs) or make(out)
     print(report(dirs, averages))
     return averages
+
+
+def finished_average(out: str, dirs: list[str]) -> dict | None:
+    """The record of the average already written in ``out`` by a finished launch of the
+    same population (its members are ``dirs``), or None when there is none yet (a
+    half-written one is written again)."""
+    if not os.path.exists(os.path.join(out, rundir_lib.DONE)):
+        return None
+    recorded = [m["path"] for m in rundir_lib.read_run_info(out).get("members", [])]
+    if recorded != [os.path.abspath(d) for d in dirs]:
+        raise ValueError(f"{out} holds an average of other runs ({recorded}); delete it, or "
+                         "choose another --workdir.")
+    return rundir_lib.read_records(out)[-1]
 
 
 def report(dirs: list[str], averages: dict) -> str:
@@ -207,17 +231,20 @@ def report(dirs: list[str], averages: dict) -> str:
 
 
 def main(argv) -> int:
-    from absl import flags
+    from absl import flags, logging
 
     from sagm_jax import cpu
 
     del argv
     cpu.configure()
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     f = flags.FLAGS
     workdir = f.workdir or os.path.join("runs", "population", f.recipe)
     try:
         run_population(f.config, workdir, f.recipe, f.members, f.pack, f.space,
-                       f.linear_probe_steps, tuple(p for p in f.aux_runs.split(",") if p))
+                       f.linear_probe_steps, tuple(p for p in f.aux_runs.split(",") if p),
+                       tuple(k for k in f.keep.split(",") if k))
     except ValueError as error:
         print(f"population: {error}", file=sys.stderr)
         return 2
@@ -239,6 +266,8 @@ def define_flags() -> None:
                          "Steps of the shared start's linear probe (default: config.steps).",
                          lower_bound=1)
     flags.DEFINE_string("aux_runs", "", "Ratatouille: comma-separated folders of auxiliary runs.")
+    flags.DEFINE_string("keep", "", "Comma-separated keys the members do not draw (the "
+                        "config's value stays), e.g. batch_per_env: one program for all.")
 
 
 if __name__ == "__main__":

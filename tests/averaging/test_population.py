@@ -74,6 +74,12 @@ def test_the_population_writes_its_soups_under_their_labels(reference, capsys):
     assert sorted(averages["soup_uniform"]["soup"]["accepted"]) == [0, 1]
     lines = population.report(population.member_dirs(str(workdir), MEMBERS), averages)
     assert "member1" in lines and "soup_greedy (SAGM + DiWA (greedy))" in lines
+    # A relaunch of the finished population reads its soups back.
+    again = _run(workdir)
+    for name, record in averages.items():
+        assert {k: again[name][k] for k in ("algorithm", "env0_in_acc", "soup")} == {
+            k: json.loads(json.dumps(record[k])) for k in ("algorithm", "env0_in_acc", "soup")}
+    capsys.readouterr()
 
 
 def test_a_population_killed_in_a_members_save_ends_with_the_same_runs_and_soups(
