@@ -158,9 +158,15 @@ def _run_files(path: str) -> _RunFiles:
             f"{path}: not a finished run (no '{rundir.DONE}' file); a soup averages "
             "finished runs."
         )
+    config = rundir.read_config(path)
+    if config.get(rundir.COMBINED_LABEL):
+        raise ValueError(
+            f"{path}: a run combined from others ({config[rundir.COMBINED_LABEL]}); a soup "
+            "averages trained runs: list its members instead."
+        )
     with open(os.path.join(path, rundir.SPLIT)) as f:
         split = json.load(f)
-    return _RunFiles(path, rundir.read_config(path), rundir.read_run_info(path), split)
+    return _RunFiles(path, config, rundir.read_run_info(path), split)
 
 
 def _member(files: _RunFiles, weights: str) -> tuple[Member, list]:

@@ -209,6 +209,9 @@ def test_members_that_differ_are_refused_naming_the_run(members, tmp_path):
     os.remove(os.path.join(unfinished, "done"))
     with pytest.raises(ValueError, match=rf"{unfinished}: not a finished run"):
         soups.members_of([members[0], unfinished], "best")
+    combined = _copy(members[2], tmp_path / "combined", combined_label="DiWA (uniform)")
+    with pytest.raises(ValueError, match=rf"{combined}: a run combined from others"):
+        soups.members_of([members[0], combined], "best")
     with pytest.raises(ValueError, match="listed twice"):
         soups.members_of([members[0], members[0]], "best")
     with pytest.raises(ValueError, match="did not train with --config.swad=True"):
