@@ -41,8 +41,14 @@ Differences from the reference, stated:
 * The validation loss is the per-example mean over each 'out' part
   (``training.evaluation``); the reference's ``set_lr`` takes each loader's mean of its
   64-example batches' means (the last, smaller batch weighs as a full one).
-* The reference's stage 2 pops one schedule entry per evaluation and stops one
-  evaluation before stage 1's last (where the next entry is 0); ours stops at stage 1's.
+* The reference's stage 1 breaks at the third change before writing that evaluation's
+  record; ours writes it (its accuracies are the moving average's after that step) and
+  stops. Its stage 2 pops one schedule entry per evaluation and breaks where the NEXT
+  entry is 0, one evaluation before stage 1's last, again without that record; ours
+  trains to stage 1's last evaluation step and records it (the lr it replays there is
+  the one stage 1 trained with up to it).
+* The reference has no resume; ours resumes each stage exactly (the factor is in the
+  checkpoint, the plateau replayed from the records).
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ ReduceLROnPlateau as train_autolr.py steps it) against a NumPy re-statement of t
 rule, and the two stages on a tiny RotatedDigits run: stage 1 stops at the third change,
 stage 2 replays its schedule and stops where it stopped."""
 
+import itertools
 import math
 import os
 
@@ -56,7 +57,7 @@ def test_the_plateau_decides_as_torch(losses):
     assert [f * lr for f in factors] == pytest.approx(want, rel=1e-12)
     # The scheduler alone never sets 0; set_lr's third change does.
     assert got[: len(want) - 1] == pytest.approx(want[:-1], rel=1e-12)
-    changes = sum(a != b for a, b in zip(want, want[1:]))
+    changes = sum(a != b for a, b in itertools.pairwise(want))
     assert (want[-1] == 0.0) == (changes == 3)
 
 
@@ -87,12 +88,16 @@ def test_the_preset_sets_ermplusplus_defaults():
 def two_stages(tmp_path_factory):
     """ERM++ on RotatedDigits with so small a learning rate that the validation loss
     never improves by 1e-4: the plateau changes the lr every other evaluation."""
-    config = digits_config(
-        algorithm="erm", lr=5e-6, linear_steps=2, linear_lr=1e-7, moving_average=True,
-        moving_average_start=3, steps=41, eval_every=1, checkpoint=False)
+    config = ermpp_config()
     workdir = str(tmp_path_factory.mktemp("ermpp"))
     # Stage 2 on stage 1's split, so that its replay can be compared with stage 1.
     return erm_plusplus.train_erm_plusplus(config, workdir, full_data=False), workdir
+
+
+def ermpp_config():
+    return digits_config(
+        algorithm="erm", lr=5e-6, linear_steps=2, linear_lr=1e-7, moving_average=True,
+        moving_average_start=3, steps=41, eval_every=1)
 
 
 def test_stage_one_stops_at_the_third_change_and_stage_two_replays(two_stages):
@@ -144,3 +149,35 @@ def test_stage_two_trains_on_every_example():
         assert sorted(parts["in"]) == list(range(n))
         assert list(parts["out"]) == list(held.splits[env]["out"])
     assert list(splits.full_data_split(10, 0, 1)["in"]) == list(splits.shuffled_keys(10, 0, 1))
+
+
+def test_stage_one_interrupted_after_a_change_resumes_exactly(two_stages, tmp_path,
+                                                              monkeypatch):
+    """Stopped (KeyboardInterrupt) after the checkpoint of its first lr change, stage 1
+    relaunched ends as the uninterrupted stage 1: the factor comes back with the
+    checkpoint, the plateau's counters from replaying the recorded losses."""
+    from sagm_jax.training import checkpoints as checkpoints_lib
+    from sagm_jax.training.train import train_one_run
+
+    result, _ = two_stages
+    first, _ = erm_plusplus.stage_configs(ermpp_config())
+    save, saves = checkpoints_lib.Checkpoints.save, []
+
+    def save_then_stop(self, *args, **kwargs):
+        save(self, *args, **kwargs)
+        saves.append(args[0])
+        if len(saves) == 4:  # the checkpoint of step 3, where the first change came
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoints_lib.Checkpoints, "save", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        train_one_run(first, str(tmp_path))
+    monkeypatch.setattr(checkpoints_lib.Checkpoints, "save", save)
+    assert not os.path.exists(tmp_path / "done")
+    again = train_one_run(first, str(tmp_path))
+    whole = result["stage1"]
+    assert result["schedule"][:3] == [1.0, 1.0, pytest.approx(0.1)]  # changed at step 2
+    assert [r["step"] for r in again] == [r["step"] for r in whole]
+    for a, b in zip(whole, again):
+        assert {k: v for k, v in a.items() if k.endswith(("_acc", "_loss"))} == {
+            k: v for k, v in b.items() if k.endswith(("_acc", "_loss"))}
