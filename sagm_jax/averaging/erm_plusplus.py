@@ -40,7 +40,11 @@ should read them; stage 2's result is its last record. Its records are labelled 
 Differences from the reference, stated:
 * The validation loss is the per-example mean over each 'out' part
   (``training.evaluation``); the reference's ``set_lr`` takes each loader's mean of its
-  64-example batches' means (the last, smaller batch weighs as a full one).
+  64-example batches' means (the last, smaller batch weighs as a full one). Its loaders
+  (``lib/fast_data_loader.py`` ``FastDataLoader``) draw the batches with torch's
+  ``RandomSampler``, so which examples share the smaller batch is random; each batch's
+  mean then has the part's mean as its expectation, and so has the reference's loss:
+  ours is that expectation, not a draw of it.
 * The reference's stage 1 breaks at the third change before writing that evaluation's
   record; ours writes it (its accuracies are the moving average's after that step) and
   stops. Its stage 2 pops one schedule entry per evaluation and breaks where the NEXT
