@@ -26,18 +26,18 @@ start fresh, as the reference's algorithms build them. The parent's variables mu
 this run's network's structure and shapes (an error names the first key that differs).
 Each start is recorded in ``run_info.json`` (``init``, ``init_featurizer``): the
 parent's path, which weights, their step, and a SHA-256 of them
-(:func:`weights_sha256`), so a population's members can be checked to share one start.
+(``soups.weights_sha256``, as a soup fingerprints its members), so a population's members can be checked to share one start.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 
 import numpy as np
 from flax import traverse_util
 
+from sagm_jax.averaging.soups import weights_sha256
 from sagm_jax.data.splits import fingerprint_changes
 from sagm_jax.methods import networks
 from sagm_jax.training import rundir as rundir_lib
@@ -46,18 +46,6 @@ from sagm_jax.training import rundir as rundir_lib
 INIT_WEIGHTS = {"last": "latest", "best": "best", "swad": "swad",
                 "moving_average": "moving_average"}
 CLASSIFIER = "classifier"  # the network's classifier (DomainBed's linear head)
-
-
-def weights_sha256(variables: dict) -> str:
-    """SHA-256 of ``variables`` (``{'params', 'batch_stats'}``): each leaf's path, dtype,
-    shape and bytes, in sorted path order."""
-    digest = hashlib.sha256()
-    flat = traverse_util.flatten_dict(variables, sep="/")
-    for path in sorted(flat):
-        leaf = np.ascontiguousarray(np.asarray(flat[path]))
-        digest.update(f"{path}|{leaf.dtype}|{leaf.shape}|".encode())
-        digest.update(leaf.tobytes())
-    return digest.hexdigest()
 
 
 def _finished_parent(path: str, key: str) -> tuple[dict, dict]:
