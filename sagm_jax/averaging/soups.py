@@ -304,13 +304,18 @@ def write_combined_run(out: str, label: str, members: Sequence[Member], record: 
 # ---- the averages, streaming ------------------------------------------------------
 
 
-def _add(total, variables):
-    """``total + variables['params']`` in float64 (``total`` None: the first)."""
+def _add(total, variables, in_place: bool = False):
+    """``total + variables['params']`` in float64 (``total`` None: the first), into
+    ``total`` itself where ``in_place`` (each float32 value is exact in float64, and the
+    sum is rounded to float64 once either way)."""
     import jax
 
     if total is None:
-        return jax.tree.map(lambda x: np.asarray(x, np.float64), variables["params"])
-    return jax.tree.map(lambda t, x: t + np.asarray(x, np.float64), total, variables["params"])
+        return jax.tree.map(lambda x: np.array(x, np.float64), variables["params"])
+    if in_place:
+        return jax.tree.map(lambda t, x: np.add(t, np.asarray(x), out=t), total,
+                            variables["params"])
+    return jax.tree.map(lambda t, x: np.add(t, np.asarray(x)), total, variables["params"])
 
 
 def _mean(total, count: int):
@@ -357,7 +362,7 @@ def uniform_soup(members: Sequence[Member], statistics: _Statistics | None = Non
     for member in members:
         variables = member.variables()
         statistics.check(member, variables)
-        total = _add(total, variables)
+        total = _add(total, variables, in_place=True)
         del variables
     return {"params": _mean(total, len(members)), "batch_stats": statistics.stats}
 
