@@ -87,8 +87,17 @@ class Member:
 
     def variables(self) -> dict:
         """The member's chosen ``{'params', 'batch_stats'}`` as host arrays, read again
-        from its run directory (nothing is kept in memory between calls)."""
-        return _read_variables(self.path, self.weights, self.config, self.step)[0]
+        from its run directory (nothing is kept in memory between calls) and checked
+        against its SHA-256: weights that changed since :func:`members_of` read them
+        are a ValueError naming the run."""
+        variables = _read_variables(self.path, self.weights, self.config, self.step)[0]
+        if weights_sha256(variables) != self.sha256:
+            raise ValueError(
+                f"{self.path}: its {self.weights} weights (step {self.step}) changed since "
+                "the soup's members were read; make the soup again once the run is left "
+                "as it is."
+            )
+        return variables
 
     def fingerprint(self) -> dict:
         """What names the member in a soup: its path, weights, step and the SHA-256 of

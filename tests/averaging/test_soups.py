@@ -279,3 +279,11 @@ def test_frozen_batchnorm_statistics_must_be_the_members_own_shared_ones(members
                                 freeze_batchnorm=False) for k in (0, 1)]
     soup = soups.uniform_soup(soups.members_of(trained, "last"))
     np.testing.assert_array_equal(soup["batch_stats"]["bn"]["mean"], np.zeros(3))
+    # A member whose weights change after they were read (hashed) is refused.
+    changing = _with_statistics(members[1], tmp_path / "changing", 1.0)
+    read = soups.members_of([same[0], changing], "last")
+    changed = _with_statistics(members[1], tmp_path / "changed", 3.0)
+    shutil.rmtree(os.path.join(changing, "checkpoints"))
+    shutil.copytree(os.path.join(changed, "checkpoints"), os.path.join(changing, "checkpoints"))
+    with pytest.raises(ValueError, match=rf"{changing}: its last weights \(step 4\) changed"):
+        soups.uniform_soup(read)
