@@ -484,9 +484,11 @@ class _Evaluation:
 
 
 def averaging_name(members: Sequence[Member], selection: str) -> str:
-    """``methods.AVERAGINGS``' name of the soup: Model Ratatouille's where every member
-    started from an auxiliary run's featurizer (``init_featurizer_from``), else DiWA's."""
-    ratatouille = all(m.config.get("init_featurizer_from") for m in members)
+    """``methods.AVERAGINGS``' name of the soup: Model Ratatouille's where members
+    started from auxiliary runs' featurizers (``init_featurizer_from``; some of its
+    members start from the pretrained one, ModelRatatouille's ``get_featurizer_aux``
+    index 0), else DiWA's."""
+    ratatouille = any(m.config.get("init_featurizer_from") for m in members)
     return f"{'ratatouille' if ratatouille else 'diwa'}_{selection}"
 
 

@@ -137,6 +137,28 @@ def test_the_greedy_selection_is_diwas_restricted_rule_ties_included():
                    for line, i in zip(lines, chosen["order"]))
 
 
+def test_the_soups_label_names_the_averaging_and_the_members_method():
+    made = []
+
+    def member(algorithm="sagm", weights="best", **config):
+        config = dict(algorithm=algorithm, objective="erm", disam_lambda=0.0, **config)
+        record = {"args": {"algorithm": "x"}, "config": config}
+        if weights == "swad":
+            record["swad"] = {}
+        made.append(f"/runs/run{len(made)}")
+        return soups.Member(made[-1], weights, 0, "", 0.0, record, config, {}, {})
+
+    assert soups.soup_label([member("erm"), member("erm")], "uniform") == "DiWA (uniform)"
+    assert soups.soup_label([member()], "greedy") == "SAGM + DiWA (greedy)"
+    assert soups.soup_label([member(weights="swad")], "uniform") == (
+        "SAGM + SWAD + DiWA (uniform)")
+    # Model Ratatouille: members started from auxiliary runs' featurizers, and (its
+    # get_featurizer_aux's index 0) from the pretrained one.
+    ratatouille = [member("erm", init_featurizer_from=""),
+                   member("erm", init_featurizer_from="/aux/run0")]
+    assert soups.soup_label(ratatouille, "greedy") == "Ratatouille (greedy)"
+
+
 def _merged_out_accuracy(model, variables):
     """The soup's accuracy on the training environments' 'out' parts merged (diwa.py's
     MergeDataset of them): correct answers over examples, by a forward pass here."""
