@@ -514,7 +514,10 @@ def make_soup(workdirs: Sequence[str], out: str, selection: str = "uniform",
     """Averages the finished runs ``workdirs`` (:func:`members_of`) by ``selection``
     (``uniform`` or ``greedy``), evaluates the soup on every split part and
     writes it as the run directory ``out`` (:func:`write_combined_run`). Returns its
-    record."""
+    record, whose ``soup`` holds the ``selection``, the ``weights``, the ``members``
+    (:meth:`Member.fingerprint`, in the order given), the greedy ``order`` (member
+    indices), the ``accepted`` ones and, for greedy, the ``decisions``: each candidate's
+    member, merged validation accuracy, acceptance and test accuracies."""
     import jax
 
     if selection not in SELECTIONS:
@@ -528,11 +531,14 @@ def make_soup(workdirs: Sequence[str], out: str, selection: str = "uniform",
         state = evaluate.prepare(uniform_soup(members, statistics))
         accepted, decisions = order, None
     else:
-        sums, best = _PrefixSums(members, statistics), {}
+        sums, best, tests = _PrefixSums(members, statistics), {}, []
 
         def accuracy_of(candidate):
             state = evaluate.prepare(sums.mean(candidate))
-            accuracy = evaluate.merged_validation(evaluate(state, evaluate.candidate_parts))
+            results = evaluate(state, evaluate.candidate_parts)
+            tests.append({f"env{e}_in_acc": results[f"env{e}_in_acc"]
+                          for e in evaluate.program.test_envs})  # diwa.py prints it too
+            accuracy = evaluate.merged_validation(results)
             if accuracy >= best.get("accuracy", -float("inf")):  # the rule's acceptance
                 best.update(accuracy=accuracy, state=state)
             return accuracy
@@ -540,8 +546,8 @@ def make_soup(workdirs: Sequence[str], out: str, selection: str = "uniform",
         chosen = greedy_selection([m.score for m in members], accuracy_of, say)
         order, accepted, state = chosen["order"], chosen["accepted"], best["state"]
         decisions = [
-            {"member": i, "accuracy": a, "accepted": i in accepted}
-            for i, a in zip(order, chosen["accuracies"])
+            {"member": i, "accuracy": a, "accepted": i in accepted, "test": t}
+            for i, a, t in zip(order, chosen["accuracies"], tests)
         ]
     results = evaluate(state, evaluate.every_part)
     variables = jax.device_get({"params": state.params, "batch_stats": state.batch_stats})

@@ -198,6 +198,8 @@ def test_the_greedy_soup_follows_the_rule_on_real_runs(members, tmp_path, capsys
         [_checkpoint_params(members[i], steps[i]) for i in soup["accepted"]]))
     best = max(d["accuracy"] for d in soup["decisions"] if d["accepted"])
     assert _merged_out_accuracy(model, jax.device_get(variables)) == best
+    last_accepted = [d for d in soup["decisions"] if d["accepted"]][-1]
+    assert last_accepted["test"] == {"env0_in_acc": record["env0_in_acc"]}
 
 
 def _copy(workdir, folder, **config):
