@@ -51,6 +51,9 @@ Differences from the reference, stated:
   entry is 0, one evaluation before stage 1's last, again without that record; ours
   trains to stage 1's last evaluation step and records it (the lr it replays there is
   the one stage 1 trained with up to it).
+* Stage 2 starts from stage 1's initialisation (the same ``seed``); the reference's
+  stage 2 builds a new algorithm with torch's generator where stage 1 left it, so its
+  classifier starts elsewhere.
 * The reference has no resume; ours resumes each stage exactly (the factor is in the
   checkpoint, the plateau replayed from the records).
 """
