@@ -229,15 +229,14 @@ def make_train_step(
     """Returns ``train_step(state, batch, key) -> (state, metrics)``, pure and jittable.
 
     ``batch`` holds ``image`` [B, H, W, C] and ``label`` [B], the ``method.num_domains``
-    training domains' minibatches concatenated in order. With ``compute_dtype``
-    bfloat16 the parameters and images are cast for the forward and backward
-    passes; the parameters, the optimizer and the loss stay in float32. Inside
-    ``shard_map`` (the per-device perturbation), ``axis_name`` averages the reported
-    metrics and trained BatchNorm statistics over devices. ``optimizer`` is the optax
-    chain of a plain or sharpness-aware rule, or the ``procedures.Procedure`` of
-    ``algorithm`` (Fish, AND-mask, MLDG), which updates from per-domain gradients.
-    ``metrics`` holds the reported ``loss`` and the objective's other values.
-    ``trainable``: see :func:`_frozen_stopped` (``config.attention_only``).
+    training domains' minibatches concatenated in order. With ``compute_dtype`` bfloat16
+    the parameters and images are cast for the forward and backward passes; the
+    parameters, the optimizer and the loss stay in float32. Inside ``shard_map`` (the
+    per-device perturbation), ``axis_name`` averages the reported metrics and trained
+    BatchNorm statistics over devices. ``optimizer`` is the optax chain of a plain or
+    sharpness-aware rule, or the ``procedures.Procedure`` of ``algorithm`` (Fish, AND-mask,
+    MLDG), which updates from per-domain gradients; ``metrics``: the reported ``loss``
+    and the objective's other values. ``trainable``: :func:`_frozen_stopped`.
     """
     rule = update_rule(algorithm)
     is_procedure = rule.kind == "procedure"
