@@ -77,7 +77,7 @@ from sagm_jax.training.rundir import (
 )
 from sagm_jax.results.selection import training_domain_validation, validation_accuracy
 from sagm_jax.averaging.swad import SwadRun
-from sagm_jax.averaging import erm_plusplus
+from sagm_jax.averaging import lr_plateau
 from sagm_jax.training.summary import markdown_test_accuracies, print_summary
 from sagm_jax.training.train_step import create_train_state, data_parallel_train_step
 
@@ -289,7 +289,7 @@ def train_one_run(config: ml_collections.ConfigDict, workdir: str) -> list[dict]
         print(f"{workdir}: resumed at step {int(state.step)}.")
     records = records_before(config, program, rundir, checkpoints, state)
     swad_run = SwadRun(config, program.train_envs, records) if config.swad else None
-    lr_run = erm_plusplus.learning_rate_run(config, program.train_envs, records)
+    lr_run = lr_plateau.learning_rate_run(config, program.train_envs, records)
     new_records, state = _training_loop(config, program, rundir, checkpoints, state, swad_run,
                                         lr_run)
     records += new_records

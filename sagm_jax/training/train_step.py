@@ -81,7 +81,7 @@ class TrainState:
     # The weights' moving average (sagm_jax.averaging.moving_average); {} without it.
     moving_average: Any = None
     # ERM++'s learning-rate factor, set on the host after an evaluation
-    # (sagm_jax.averaging.erm_plusplus); {} without its plateau or schedule.
+    # (sagm_jax.averaging.lr_plateau); {} without its plateau or schedule.
     lr_factor: Any = None
 
 

@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from sagm_jax.averaging import erm_plusplus
+from sagm_jax.averaging import erm_plusplus, lr_plateau
 from sagm_jax.config import presets
 from tests.run_fixtures import digits_config
 
@@ -48,10 +48,10 @@ def torch_plateau(losses, lr, factor=0.1, patience=1, threshold=1e-4, eps=1e-8):
 def test_the_plateau_decides_as_torch(losses):
     lr = 5e-5
     want = torch_plateau(losses, lr)
-    plateau, got = erm_plusplus.ReduceLROnPlateau(lr), []
+    plateau, got = lr_plateau.ReduceLROnPlateau(lr), []
     for loss in losses[: len(want)]:
         got.append(plateau.step(loss))
-    factors = erm_plusplus.LearningRateRun(
+    factors = lr_plateau.LearningRateRun(
         digits_config(lr=lr, linear_steps=0, lr_plateau=True), [1], [
             {"step": t, "env1_out_loss": loss} for t, loss in enumerate(losses)]).factors
     assert [f * lr for f in factors] == pytest.approx(want, rel=1e-12)
@@ -66,7 +66,7 @@ def test_the_plateau_waits_for_the_linear_phase():
     set_lr acts once global_iter = step + 1 > the reference's linear_steps)."""
     config = digits_config(lr=1.0, linear_steps=5, lr_plateau=True)
     records = [{"step": t, "env1_out_loss": 1.0} for t in range(0, 12, 2)]
-    run = erm_plusplus.LearningRateRun(config, [1], records)
+    run = lr_plateau.LearningRateRun(config, [1], records)
     assert len(run.factors) == len([t for t in range(0, 12, 2) if t + 1 >= 5])
 
 
