@@ -87,7 +87,8 @@ def train_erm_plusplus(config, workdir: str, full_data: bool = True) -> dict:
     records1 = train_one_run(first, os.path.join(workdir, "stage1"))
     config2 = second(records1, _train_envs(records1[-1]))
     print(f"ERM++: stage 1 chose {config2.steps} steps; learning-rate factors after "
-          f"each evaluation past the linear phase: {list(config2.lr_schedule)}.")
+          f"each evaluation past the linear phase: "
+          f"{', '.join(f'{f:g}' for f in config2.lr_schedule)}.")
     records2 = train_one_run(config2, os.path.join(workdir, "stage2"))
     test_envs = list(config.test_envs)
     test_acc = float(np.mean([records2[-1][f"env{e}_in_acc"] for e in test_envs]))
