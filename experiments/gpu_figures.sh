@@ -12,7 +12,7 @@
 set -u
 out="$1"; budget="$2"; shift 2
 names=("$@")
-[ ${#names[@]} -eq 0 ] && names=(eval vs_torch packed_mnist packed_resnet50 race steps_loop decode backbones)
+[ ${#names[@]} -eq 0 ] && names=(eval vs_torch packed_mnist packed_resnet50 race steps_loop decode backbones population)
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 end=$(( $(date +%s) + budget ))
@@ -27,6 +27,7 @@ command_of() {
     steps_loop) echo "python experiments/device_report.py --sections steps loop" ;;
     decode) echo "python experiments/bench_decode.py --images 10000" ;;
     backbones) echo "python experiments/bench_backbones.py --batch 96 --dtypes float32 bfloat16" ;;
+    population) echo "python experiments/bench_population.py --model resnet50 --members 2 4 8 --steps 101" ;;
     *) echo "" ;;
   esac
 }

@@ -57,8 +57,8 @@ SPACE_OF = {"diwa": "diwa", "ratatouille": "diwa", "eoa": "eoa"}
 # The keys a shared start resets to the reference's: the linear probe is ERM's
 # (alexrame/diwa trains it with its ERM), on the default hyperparameters, without SWAD or
 # a moving average.
-PROBE_RESET = dict(algorithm="erm", objective="erm", swad=False, disam_lambda=0.0,
-                   mixstyle=False, init_from="", init_featurizer_from="")
+PROBE_RESET = {"algorithm": "erm", "objective": "erm", "swad": False, "disam_lambda": 0.0,
+               "mixstyle": False, "init_from": "", "init_featurizer_from": ""}
 
 
 def probe_config(config, steps: int, space: str = "diwa") -> ml_collections.ConfigDict:

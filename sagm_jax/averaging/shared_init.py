@@ -26,7 +26,8 @@ start fresh, as the reference's algorithms build them. The parent's variables mu
 this run's network's structure and shapes (an error names the first key that differs).
 Each start is recorded in ``run_info.json`` (``init``, ``init_featurizer``): the
 parent's path, which weights, their step, and a SHA-256 of them
-(``soups.weights_sha256``, as a soup fingerprints its members), so a population's members can be checked to share one start.
+(``checkpoints.weights_sha256``, as a soup fingerprints its members), so a
+population's members can be checked to share one start.
 """
 
 from __future__ import annotations
@@ -37,10 +38,10 @@ import os
 import numpy as np
 from flax import traverse_util
 
-from sagm_jax.averaging.soups import weights_sha256
 from sagm_jax.data.splits import fingerprint_changes
 from sagm_jax.methods import networks
 from sagm_jax.training import rundir as rundir_lib
+from sagm_jax.training.checkpoints import weights_sha256
 
 # Which of a parent's weights a run starts from (config.init_weights) -> load_run's name.
 INIT_WEIGHTS = {"last": "latest", "best": "best", "swad": "swad",

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -72,7 +71,7 @@ SELECTIONS = ("uniform", "greedy")
 class Member:
     """A finished run as a soup's (or an ensemble's) member: its absolute ``path``, the
     ``weights`` it gives, the ``step`` and ``record`` of those weights, their ``sha256``
-    (:func:`weights_sha256`), its ``score`` (misc.get_score of the record: the training
+    (``checkpoints.weights_sha256``), its ``score`` (misc.get_score of the record: the training
     environments' mean ``out`` accuracy), its config, run_info and split record."""
 
     path: str
@@ -91,7 +90,7 @@ class Member:
         against its SHA-256: weights that changed since :func:`members_of` read them
         are a ValueError naming the run."""
         variables = _read_variables(self.path, self.weights, self.config, self.step)[0]
-        if weights_sha256(variables) != self.sha256:
+        if checkpoints.weights_sha256(variables) != self.sha256:
             raise ValueError(
                 f"{self.path}: its {self.weights} weights (step {self.step}) changed since "
                 "the soup's members were read; make the soup again once the run is left "
@@ -104,20 +103,6 @@ class Member:
         those weights' bytes."""
         return {"path": self.path, "weights": self.weights, "step": self.step,
                 "sha256": self.sha256, "score": self.score}
-
-
-def weights_sha256(variables: dict) -> str:
-    """The SHA-256 of the variables' bytes, leaf by leaf in tree order (the params, then
-    the batch statistics, each in sorted key order), with each leaf's dtype and shape."""
-    import jax
-
-    digest = hashlib.sha256()
-    for leaf in jax.tree.leaves({"params": variables["params"],
-                                 "batch_stats": variables.get("batch_stats") or {}}):
-        leaf = np.ascontiguousarray(np.asarray(leaf))
-        digest.update(f"{leaf.dtype.str}{leaf.shape}".encode())
-        digest.update(leaf.tobytes())
-    return digest.hexdigest()
 
 
 def _read_variables(path: str, weights: str, config: dict, step: int | None):
@@ -189,8 +174,8 @@ def _member(files: _RunFiles, weights: str) -> tuple[Member, list]:
         for key, leaf in jax.tree_util.tree_leaves_with_path(variables["params"])
     ]
     score = validation_accuracy(record, files.run_info["train_envs"])
-    member = Member(files.path, weights, step, weights_sha256(variables), score, record,
-                    files.config, files.run_info, files.split)
+    member = Member(files.path, weights, step, checkpoints.weights_sha256(variables), score,
+                    record, files.config, files.run_info, files.split)
     return member, tree
 
 

@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -478,3 +479,16 @@ def restore_swad_variables(workdir: str) -> dict:
     with ocp.StandardCheckpointer() as checkpointer:
         restored = checkpointer.restore(path)
     return {"params": restored["params"], "batch_stats": restored.get("batch_stats") or {}}
+
+
+def weights_sha256(variables: dict) -> str:
+    """The SHA-256 of the variables' bytes, leaf by leaf in tree order (the params, then
+    the batch statistics, each in sorted key order), with each leaf's dtype and shape: a
+    run's weights as soups fingerprint their members and a shared start its parent."""
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves({"params": variables["params"],
+                                 "batch_stats": variables.get("batch_stats") or {}}):
+        leaf = np.ascontiguousarray(np.asarray(leaf))
+        digest.update(f"{leaf.dtype.str}{leaf.shape}".encode())
+        digest.update(leaf.tobytes())
+    return digest.hexdigest()

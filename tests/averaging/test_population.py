@@ -10,9 +10,9 @@ import jax
 import numpy as np
 import pytest
 from flax import traverse_util
-
 from run_fixtures import digits_config
-from sagm_jax.averaging import population, soups
+
+from sagm_jax.averaging import population
 from sagm_jax.training import checkpoints, packed, train
 from sagm_jax.training.rundir import read_records
 
@@ -45,7 +45,7 @@ def test_every_member_starts_bit_identical_to_the_probed_start(reference):
     configs = []
     for path in population.member_dirs(str(workdir), MEMBERS):
         with open(os.path.join(path, "run_info.json")) as f:
-            assert json.load(f)["init"]["sha256"] == soups.weights_sha256(probed)
+            assert json.load(f)["init"]["sha256"] == checkpoints.weights_sha256(probed)
         with open(os.path.join(path, "config.json")) as f:
             configs.append(train.ml_collections.ConfigDict(json.load(f)))
     # The members' step-0 states as the pack builds them: each lane is the probe's weights.

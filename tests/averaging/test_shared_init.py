@@ -7,9 +7,8 @@ import jax
 import numpy as np
 import pytest
 from flax import traverse_util
-
 from run_fixtures import digits_config, tiny_folder_config, write_image_tree
-from sagm_jax.averaging import soups
+
 from sagm_jax.training import checkpoints, train
 
 
@@ -34,7 +33,7 @@ def test_a_child_starts_bit_identical_to_its_parents_last_weights(parent):
         assert np.array_equal(ours[key], theirs[key]), key
     recorded = program.run_info["init"]
     assert recorded["weights"] == "last" and recorded["step"] == 2
-    assert recorded["sha256"] == soups.weights_sha256(stored)
+    assert recorded["sha256"] == checkpoints.weights_sha256(stored)
     # Without init_from, the network's own initialisation.
     _, fresh = train.open_run(digits_config(lr=3e-4))
     assert not np.array_equal(_flat(fresh)["params/classifier/kernel"],
