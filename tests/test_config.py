@@ -129,7 +129,7 @@ BAD_VALUES = [
     ("test_envs", (0, 0), "distinct"),
     ("test_envs", (-1,), "distinct, >= 0"),
     ("test_envs", ("abc",), "environment indices"),
-    ("test_envs", (), "environment indices"),
+    ("test_envs", "0", "environment indices"),
     ("test_envs", (6,), "indices of RotatedDigits's environments (0 0, 1 15"),
     ("test_envs", (True,), "environment indices"),
     ("num_devices", -1, "an integer >= 0"),

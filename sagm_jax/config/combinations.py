@@ -154,7 +154,7 @@ def training_environments(
     if config.get("all_test_envs") is True:
         return domains - 1 or None
     test_envs = config.get("test_envs")
-    if checks.test_envs(test_envs, config, None) or max(test_envs) >= domains:
+    if checks.test_envs(test_envs, config, None) or max(test_envs, default=-1) >= domains:
         return None
     return domains - len(test_envs) or None
 

@@ -108,10 +108,12 @@ RESULT_FREE = ("data_dir", "cache_dir", "store_budget_gb", "eval_cache_gb", "log
 # so a relaunch of such a run with that value is the same run. Before the moving average
 # (sagm_jax.averaging.moving_average) existed, a run predicted with its weights; before
 # the linear probe and ERM++'s learning rate (sagm_jax.methods.linear_probe,
-# sagm_jax.averaging.erm_plusplus), it had neither.
+# sagm_jax.averaging.erm_plusplus), it had neither; before a shared start
+# (sagm_jax.averaging.shared_init), every run started from its own initialisation.
 ABSENT_MEANS = {"eval_splits": "all", "moving_average": False, "moving_average_start": 100,
                 "moving_average_batchnorm_forward": False, "linear_steps": 0,
-                "linear_lr": 0.0, "lr_plateau": False, "lr_schedule": []}
+                "linear_lr": 0.0, "lr_plateau": False, "lr_schedule": [],
+                "init_from": "", "init_weights": "last", "init_featurizer_from": ""}
 
 
 def result_free_keys(config_dict: dict) -> tuple[str, ...]:
