@@ -97,12 +97,12 @@ def update(average: MovingAverage, params, batch_stats, updates, start: int) -> 
 
 
 def batchnorm_forward(average: MovingAverage, model, images, compute_dtype, key,
-                      mixstyle: bool = False) -> MovingAverage:
+                      mixstyle: bool = False, *, apply_model) -> MovingAverage:
     """ERM++'s training-mode forward of the averaged weights on ``images`` (the step's
     augmented batch): the average with the running statistics that forward leaves
-    (``model``'s BatchNorm momentum); dropout and MixStyle drawn from ``key``."""
-    from sagm_jax.training.train_step import apply_model  # train_step imports this module
-
+    (``model``'s BatchNorm momentum); dropout and MixStyle drawn from ``key``.
+    ``apply_model`` is ``training.train_step.apply_model`` (passed by the step, which
+    imports this module)."""
     dropout_key, mixstyle_key = jax.random.split(key)
     _, updated = apply_model(
         model, average.params, average.batch_stats, images, compute_dtype, train=True,
@@ -112,18 +112,18 @@ def batchnorm_forward(average: MovingAverage, model, images, compute_dtype, key,
     return average.replace(batch_stats=jax.lax.stop_gradient(updated["batch_stats"]))
 
 
-def accumulate(config, model, state, images, key):
+def accumulate(config, model, state, images, key, apply_model):
     """The train state after its step's update of the moving average (``config.moving_
     average``): the module's rule at the state's new step, then, with
     ``config.moving_average_batchnorm_forward``, ERM++'s forward on ``images``; ``key``
     is the run's step key (the forward's is folded from it and the step, apart from the
-    step's own draws)."""
+    step's own draws); ``apply_model`` as :func:`batchnorm_forward`'s."""
     average = update(state.moving_average, state.params, state.batch_stats, state.step,
                      config.moving_average_start)
     if config.moving_average_batchnorm_forward:
         forward_key = jax.random.fold_in(jax.random.fold_in(key, state.step - 1), FORWARD_KEY)
         average = batchnorm_forward(average, model, images, jnp.dtype(config.compute_dtype),
-                                    forward_key, config.mixstyle)
+                                    forward_key, config.mixstyle, apply_model=apply_model)
     return state.replace(moving_average=average)
 
 

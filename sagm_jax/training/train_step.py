@@ -458,7 +458,8 @@ def run_train_step(config, model: nn.Module, optimizer, num_domains: int, mesh=N
         if config.swad:  # SWAD's segment mean takes every step's weights
             state = state.replace(averages=averaging.accumulate(state.averages, state.params))
         if config.moving_average:  # so does the moving average, from its start on
-            state = moving_average.accumulate(config, model, state, batch["image"], key)
+            state = moving_average.accumulate(config, model, state, batch["image"], key,
+                                              apply_model)
         return state, metrics
 
     return train_step

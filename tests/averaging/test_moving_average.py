@@ -16,6 +16,7 @@ from sagm_jax.averaging import moving_average
 from sagm_jax.config import config_problems
 from sagm_jax.training import loading, packed, rundir, train
 from sagm_jax.training.checkpoints import restore_variables, saved_steps
+from sagm_jax.training.train_step import apply_model
 
 
 def _weights(k, rng):
@@ -97,7 +98,7 @@ def test_erm_plus_plus_forward_moves_the_averages_statistics_toward_the_batch():
                                         weights[k]["batch_stats"], jnp.int32(k), 2)
         before = jax.device_get(average)
         average = moving_average.batchnorm_forward(average, model, jnp.asarray(x), jnp.float32,
-                                                   jax.random.key(k))
+                                                   jax.random.key(k), apply_model=apply_model)
         kernel64 = np.float64(before.params["dense"]["kernel"])
         bias64 = np.float64(before.params["dense"]["bias"])
         h = np.float64(x) @ kernel64 + bias64
