@@ -100,7 +100,8 @@ def batchnorm_forward(average: MovingAverage, model, images, compute_dtype, key,
                       mixstyle: bool = False, *, apply_model) -> MovingAverage:
     """ERM++'s training-mode forward of the averaged weights on ``images`` (the step's
     augmented batch): the average with the running statistics that forward leaves
-    (``model``'s BatchNorm momentum); dropout and MixStyle drawn from ``key``.
+    (``model``'s BatchNorm momentum), in the statistics' own dtypes (a bfloat16 forward
+    leaves them float32); dropout and MixStyle drawn from ``key``.
     ``apply_model`` is ``training.train_step.apply_model`` (passed by the step, which
     imports this module)."""
     dropout_key, mixstyle_key = jax.random.split(key)
@@ -109,7 +110,9 @@ def batchnorm_forward(average: MovingAverage, model, images, compute_dtype, key,
         mixstyle=mixstyle, rngs={"dropout": dropout_key, "mixstyle": mixstyle_key},
         mutable=["batch_stats"],
     )
-    return average.replace(batch_stats=jax.lax.stop_gradient(updated["batch_stats"]))
+    statistics = jax.tree.map(lambda new, old: jax.lax.stop_gradient(new).astype(old.dtype),
+                              updated["batch_stats"], average.batch_stats)
+    return average.replace(batch_stats=statistics)
 
 
 def accumulate(config, model, state, images, key, apply_model):
