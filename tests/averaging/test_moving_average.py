@@ -109,6 +109,10 @@ def test_erm_plus_plus_forward_moves_the_averages_statistics_toward_the_batch():
         # The weights are the average's, untouched by the forward.
         np.testing.assert_array_equal(average.params["dense"]["kernel"],
                                       kernel64.astype(np.float32))
+    # A bfloat16 forward (config.compute_dtype) leaves the statistics float32.
+    low = moving_average.batchnorm_forward(average, model, jnp.asarray(x), jnp.bfloat16,
+                                           jax.random.key(9), apply_model=apply_model)
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(low.batch_stats))
 
 
 @pytest.mark.parametrize("overrides, words", [
