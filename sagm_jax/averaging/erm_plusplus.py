@@ -118,7 +118,15 @@ def main(argv=None):
     workdir = flags.DEFINE_string("workdir", None, "DIR: the stages run in DIR/stage1, "
                                   "DIR/stage2.")
     flags.mark_flags_as_required(["config", "workdir"])
+
     def run(_):
+        from absl import logging
+
+        from sagm_jax import cpu
+
+        cpu.configure()  # XLA reads its flags once, when JAX starts its backend
+        if not flags.FLAGS["verbosity"].present:
+            logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
         train_erm_plusplus(config.value, workdir.value)
 
     app.run(run, argv)
