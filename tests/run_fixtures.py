@@ -169,3 +169,42 @@ def procedure_steps(name, hp, params, forward_at, images, labels, steps, *, num_
         history.append((jax.tree.map(np.asarray, params), state,
                         {k: float(v) for k, v in metrics.items()}))
     return history
+
+
+def record_params(monkeypatch, trajectory):
+    """Keeps the parameters after every step of a run trained by ``train`` (its jitted
+    train step wrapped): ``trajectory`` gets them in order."""
+    import jax
+
+    from sagm_jax.training import train
+
+    build = train.data_parallel_train_step
+
+    def recording(*args, **kwargs):
+        step_fn = build(*args, **kwargs)
+
+        def step(state, batch, key):
+            state, metrics = step_fn(state, batch, key)
+            trajectory.append(jax.device_get(state.params))
+            return state, metrics
+
+        return step
+
+    monkeypatch.setattr(train, "data_parallel_train_step", recording)
+
+
+def copy_run_with(workdir, folder, **config) -> str:
+    """A copy of the run directory ``workdir`` in ``folder`` whose config.json has the
+    values ``config``."""
+    import json
+    import shutil
+
+    from sagm_jax.training import rundir
+
+    shutil.copytree(workdir, folder)
+    path = os.path.join(folder, rundir.CONFIG)
+    with open(path) as f:
+        values = json.load(f)
+    values.update(config)
+    rundir.write_json(path, values)
+    return str(folder)

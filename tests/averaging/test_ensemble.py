@@ -7,12 +7,11 @@ with ``model.apply``; members that differ are refused, naming the run."""
 
 import json
 import os
-import shutil
 
 import jax
 import numpy as np
 import pytest
-from run_fixtures import digits_config
+from run_fixtures import copy_run_with, digits_config
 
 from sagm_jax.averaging import ensemble
 from sagm_jax.training import loading, packed, rundir
@@ -114,16 +113,6 @@ def test_the_ensemble_of_two_runs_is_written_as_a_run_and_printed(members, capsy
         assert [m["path"] for m in json.load(f)["members"]] == [os.path.abspath(d) for d in dirs]
 
 
-def _copy_with(src, dst, **config):
-    shutil.copytree(src, dst)
-    path = os.path.join(dst, rundir.CONFIG)
-    with open(path) as f:
-        values = json.load(f)
-    values.update(config)
-    rundir.write_json(path, values)
-    return str(dst)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("change, words", [
     ({"test_envs": [1]}, ["test_envs [0] -> [1]"]),
@@ -131,7 +120,7 @@ def _copy_with(src, dst, **config):
 ])
 def test_members_that_differ_are_refused_naming_the_run(members, tmp_path, change, words):
     _, dirs = members
-    other = _copy_with(dirs[1], tmp_path / "other", **change)
+    other = copy_run_with(dirs[1], tmp_path / "other", **change)
     with pytest.raises(ValueError) as error:
         ensemble.make_ensemble([dirs[0], other], str(tmp_path / "eoa"))
     assert other in str(error.value) and all(w in str(error.value) for w in words), error.value

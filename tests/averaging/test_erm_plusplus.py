@@ -9,10 +9,10 @@ import os
 
 import numpy as np
 import pytest
+from run_fixtures import digits_config
 
 from sagm_jax.averaging import erm_plusplus, lr_plateau
 from sagm_jax.config import presets
-from tests.run_fixtures import digits_config
 
 
 def torch_plateau(losses, lr, factor=0.1, patience=1, threshold=1e-4, eps=1e-8):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from run_fixtures import assert_the_evaluation_reproduces_the_record, digits_config
+from run_fixtures import assert_the_evaluation_reproduces_the_record, digits_config, record_params
 
 from sagm_jax.averaging import moving_average
 from sagm_jax.config import config_problems
@@ -130,30 +130,13 @@ def test_settings_a_moving_average_cannot_honour_are_named(overrides, words):
 START = 2  # the weights after steps 0 .. t are averaged (update 1 = step 0 is S - 1)
 
 
-def _record_params(monkeypatch, trajectory):
-    """Keeps the parameters after every step of the run (its train step wrapped)."""
-    build = train.data_parallel_train_step
-
-    def recording(*args, **kwargs):
-        step_fn = build(*args, **kwargs)
-
-        def step(state, batch, key):
-            state, metrics = step_fn(state, batch, key)
-            trajectory.append(jax.device_get(state.params))
-            return state, metrics
-
-        return step
-
-    monkeypatch.setattr(train, "data_parallel_train_step", recording)
-
-
 @pytest.fixture(scope="module")
 def averaged_run(tmp_path_factory):
     """A RotatedDigits run of 5 steps with its moving average from update 2, and the
     parameters after each of its steps."""
     monkeypatch = pytest.MonkeyPatch()
     trajectory = []
-    _record_params(monkeypatch, trajectory)
+    record_params(monkeypatch, trajectory)
     workdir = tmp_path_factory.mktemp("averaged")
     try:
         records = train.train_and_evaluate(

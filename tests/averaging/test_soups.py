@@ -14,12 +14,11 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from run_fixtures import assert_the_evaluation_reproduces_the_record, copy_run_with, digits_config
 
 from sagm_jax.averaging import soups
 from sagm_jax.results import records as records_lib
 from sagm_jax.training import loading, packed, rundir
-
-from run_fixtures import assert_the_evaluation_reproduces_the_record, digits_config
 
 TRAIN_ENVS = (1, 2, 3, 4, 5)  # digits_config holds out environment 0
 LRS = (1e-3, 3e-3, 2e-3)  # the members differ in their learning rate, as DiWA's do
@@ -202,38 +201,28 @@ def test_the_greedy_soup_follows_the_rule_on_real_runs(members, tmp_path, capsys
     assert last_accepted["test"] == {"env0_in_acc": record["env0_in_acc"]}
 
 
-def _copy(workdir, folder, **config):
-    shutil.copytree(workdir, folder)
-    path = os.path.join(folder, "config.json")
-    with open(path) as f:
-        values = json.load(f)
-    values.update(config)
-    rundir.write_json(path, values)
-    return str(folder)
-
-
 @pytest.mark.slow
 def test_members_that_differ_are_refused_naming_the_run(members, tmp_path):
-    other_envs = _copy(members[1], tmp_path / "test_envs", test_envs=[1])
+    other_envs = copy_run_with(members[1], tmp_path / "test_envs", test_envs=[1])
     with pytest.raises(ValueError, match=rf"{other_envs} cannot join the runs of "
                        rf"{members[0]}: test_envs \[0\] -> \[1\]"):
         soups.members_of([members[0], other_envs], "best")
-    other_data = _copy(members[1], tmp_path / "dataset", dataset="RotatedMNIST")
+    other_data = copy_run_with(members[1], tmp_path / "dataset", dataset="RotatedMNIST")
     with pytest.raises(ValueError, match=rf"{other_data} cannot join.*dataset "
                        "'RotatedDigits' -> 'RotatedMNIST'"):
         soups.members_of([members[0], other_data], "last")
-    other_split = _copy(members[1], tmp_path / "split")
+    other_split = copy_run_with(members[1], tmp_path / "split")
     with open(os.path.join(other_split, "split.json")) as f:
         split = json.load(f)
     split["trial_seed"] = 1
     rundir.write_json(os.path.join(other_split, "split.json"), split)
     with pytest.raises(ValueError, match=rf"{other_split} cannot join.*trial_seed 0 -> 1"):
         soups.members_of([members[0], other_split], "best")
-    unfinished = _copy(members[2], tmp_path / "unfinished")
+    unfinished = copy_run_with(members[2], tmp_path / "unfinished")
     os.remove(os.path.join(unfinished, "done"))
     with pytest.raises(ValueError, match=rf"{unfinished}: not a finished run"):
         soups.members_of([members[0], unfinished], "best")
-    combined = _copy(members[2], tmp_path / "combined", combined_label="DiWA (uniform)")
+    combined = copy_run_with(members[2], tmp_path / "combined", combined_label="DiWA (uniform)")
     with pytest.raises(ValueError, match=rf"{combined}: a run combined from others"):
         soups.members_of([members[0], combined], "best")
     with pytest.raises(ValueError, match="listed twice"):
@@ -242,7 +231,7 @@ def test_members_that_differ_are_refused_naming_the_run(members, tmp_path):
         soups.members_of([members[0]], "swad")
     with pytest.raises(ValueError, match="did not train with --config.moving_average=True"):
         soups.members_of([members[0]], "moving_average")
-    other_method = _copy(members[1], tmp_path / "method", algorithm="erm")
+    other_method = copy_run_with(members[1], tmp_path / "method", algorithm="erm")
     with pytest.raises(ValueError, match="the members train different methods"):
         soups.make_soup([members[0], other_method], str(tmp_path / "soup"))
     assert not os.path.exists(tmp_path / "soup")
@@ -277,7 +266,7 @@ def _with_statistics(workdir, folder, value, **config):
     ``value`` beside its parameters."""
     from sagm_jax.training import checkpoints
 
-    copy = _copy(workdir, folder, **config)
+    copy = copy_run_with(workdir, folder, **config)
     params = _checkpoint_params(workdir, 4)
     shutil.rmtree(os.path.join(copy, "checkpoints"))
     stats = {"bn": {"mean": np.full(3, value, np.float32), "var": np.ones(3, np.float32)}}

@@ -5,33 +5,13 @@ load_run gives the SWAD model; tests/training/test_train.py kills and resumes a 
 import jax
 import numpy as np
 import pytest
+from run_fixtures import digits_config, record_params
 
-from sagm_jax.training import loading
-from sagm_jax.training import rundir
-from sagm_jax.averaging import valley as swad
 from sagm_jax.averaging import swad as swad_run
-from sagm_jax.training import train
-
-from run_fixtures import digits_config
+from sagm_jax.averaging import valley as swad
+from sagm_jax.training import loading, rundir, train
 
 SWAD = dict(swad=True, swad_eval_every=2, swad_n_converge=2, swad_n_tolerance=3)
-
-
-def _record_params(monkeypatch, trajectory):
-    """Keeps the parameters after every step of the run (its train step wrapped)."""
-    build = train.data_parallel_train_step
-
-    def recording(*args, **kwargs):
-        step_fn = build(*args, **kwargs)
-
-        def step(state, batch, key):
-            state, metrics = step_fn(state, batch, key)
-            trajectory.append(jax.device_get(state.params))
-            return state, metrics
-
-        return step
-
-    monkeypatch.setattr(train, "data_parallel_train_step", recording)
 
 
 def _valley_losses(records, train_envs):
@@ -41,7 +21,7 @@ def _valley_losses(records, train_envs):
 @pytest.mark.slow
 def test_the_swad_model_is_the_mean_of_the_steps_over_the_valleys_segments(tmp_path, monkeypatch):
     trajectory = []
-    _record_params(monkeypatch, trajectory)
+    record_params(monkeypatch, trajectory)
     config = digits_config(
         steps=13, swad_tolerance_ratio=100.0, num_devices=0, **SWAD
     )
