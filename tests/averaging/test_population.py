@@ -111,3 +111,36 @@ def test_a_population_killed_in_a_members_save_ends_with_the_same_runs_and_soups
         want = _flat(checkpoints.restore_variables(str(workdir / name), step))
         for key in want:
             assert np.array_equal(got[key], want[key]), (name, key)
+
+
+def _reference_featurizer_aux(aux_dir_folders, target, hparams_seed):
+    """facebookresearch/ModelRatatouille ``misc.get_featurizer_aux`` re-stated: the
+    auxiliary folders (sorted, those of the target dataset left out), folder
+    ``hparams_seed % (F + 1)`` (0: ImageNet's), its finished runs (sorted), run
+    ``hparams_seed % (their number)``."""
+    folders = sorted(f for f, dataset in aux_dir_folders.items() if dataset != target)
+    index = hparams_seed % (len(folders) + 1)
+    if index == 0:
+        return None
+    runs = sorted(os.path.join(folders[index - 1], name)
+                  for name in os.listdir(folders[index - 1])
+                  if os.path.exists(os.path.join(folders[index - 1], name, "done")))
+    return runs[hparams_seed % len(runs)]
+
+
+def test_each_ratatouille_member_takes_the_auxiliary_run_the_reference_picks(tmp_path):
+    folders = {}
+    for dataset, runs, finished in (("VLCS", 3, 3), ("OfficeHome", 2, 1), ("PACS", 2, 2),
+                                    ("RotatedDigits", 2, 2)):
+        folder = tmp_path / dataset
+        for r in range(runs):
+            run = folder / f"run{r}"
+            run.mkdir(parents=True)
+            (run / "config.json").write_text(json.dumps({"dataset": dataset}))
+            if r < finished:
+                (run / "done").write_text("")
+        folders[str(folder)] = dataset
+    for k in range(1, 13):
+        assert population.auxiliary_run(list(folders), "RotatedDigits", k) == (
+            _reference_featurizer_aux(folders, "RotatedDigits", k)), k
+    assert population.auxiliary_run(list(folders), "RotatedDigits", 4) is None  # ImageNet's
