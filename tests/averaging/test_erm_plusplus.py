@@ -71,9 +71,13 @@ def test_the_plateau_waits_for_the_linear_phase():
 
 
 def test_the_preset_sets_ermplusplus_defaults():
-    from configs.rotated_digits import get_config
+    import importlib.util
 
-    config = get_config("erm_plusplus")
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "rotated_digits.py")
+    spec = importlib.util.spec_from_file_location("rotated_digits_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config("erm_plusplus")  # configs/rotated_digits.py:erm_plusplus
     assert (config.linear_steps, config.linear_lr) == (501, 5e-5)
     assert config.moving_average and config.moving_average_start == 600
     assert config.lr_plateau and config.algorithm == "erm"

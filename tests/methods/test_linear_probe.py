@@ -14,7 +14,7 @@ from sagm_jax.data import device_augment
 from sagm_jax.methods.linear_probe import LinearProbeState, linear_probe
 from sagm_jax.training.train import open_run, optimizer_from_config
 from sagm_jax.training.train_step import create_train_state, run_train_step
-from tests.run_fixtures import digits_config
+from run_fixtures import digits_config
 
 LINEAR_STEPS, STEPS, LR, LINEAR_LR, WD = 3, 5, 1e-3, 5e-3, 1e-2
 
