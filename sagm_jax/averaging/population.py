@@ -107,7 +107,7 @@ def auxiliary_run(roots: list[str], dataset: str, k: int) -> str | None:
     ``_detect_folders``); ``k mod (F + 1) == 0`` is none; else that folder's finished
     runs (sorted), run ``k mod (their number)`` (``_detect_path_in_subfolder``)."""
     folders = sorted(
-        root for root in roots
+        os.path.abspath(root) for root in roots
         if not any(_dataset_of(run) == dataset for run in _finished_runs(root))
     )
     index = k % (len(folders) + 1)
@@ -165,7 +165,7 @@ def run_population(config, workdir: str, recipe: str = "diwa", members: int = 8,
         raise ValueError("--recipe ratatouille needs --aux_runs (the auxiliary runs' folders).")
     space, start = space or SPACE_OF[recipe], None
     if recipe != "eoa":
-        start = os.path.join(workdir, "init")
+        start = os.path.abspath(os.path.join(workdir, "init"))  # as the members record it
         steps = config.steps if linear_probe_steps is None else linear_probe_steps
         train.train_one_run(probe_config(config, steps, space), start)
     dirs = member_dirs(workdir, members)
