@@ -280,8 +280,11 @@ def _drop_closed_loop_callbacks() -> None:
     """After a failed save the run ends with its one-line message, but the failed save's
     tensorstore writes may still call back into orbax's closed event loop from their
     threads after :func:`_save_errors_held` has ended (a race), which Python reports as
-    an unraisable ``RuntimeError('Event loop is closed')`` with its traceback. From then
-    on those reports are dropped; any other unraisable exception is still printed."""
+    an unraisable ``RuntimeError('Event loop is closed')`` with its traceback; and when
+    the failed writes' asyncio tasks are collected (after the save, whenever the garbage
+    collector runs), asyncio logs each one's error ("Task exception was never
+    retrieved"), the same failed write the message names. From then on those reports are
+    dropped; any other unraisable exception or asyncio error is still printed."""
     previous = sys.unraisablehook
 
     def hook(unraisable) -> None:
@@ -290,10 +293,20 @@ def _drop_closed_loop_callbacks() -> None:
             return
         previous(unraisable)
 
+    def failed_write(record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (
+            "exception was never retrieved" in record.getMessage()
+            and error is not None
+            and any(text in str(error) for text in FAILED_WRITE)
+        )
+
     sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(failed_write)
 
 
 CLOSED_LOOP = "Event loop is closed"  # asyncio's message for a call into a closed loop
+FAILED_WRITE = ("RESOURCE_EXHAUSTED", "Error writing")  # tensorstore's failed-write errors
 NO_SPACE = "no space left on device"
 
 
