@@ -22,8 +22,10 @@ def db_seed_hash(*args):
     return int(hashlib.md5(str(args).encode("utf-8")).hexdigest(), 16) % (2**31)
 
 
-def db_hparams(algorithm, dataset, random_seed):
-    """DomainBed's ``_hparams``: ``{name: (default, random value)}``."""
+def reference_registry(random_seed):
+    """A DomainBed-style ``_hparams`` registry (DomainBed's and its forks', e.g.
+    alexrame/diwa's): ``hparams`` and its ``_hparam``, each name drawn from
+    ``RandomState(seed_hash(random_seed, name))``, with the unconditional names."""
     hparams = {}
 
     def _hparam(name, default_val, random_val_fn):
@@ -36,6 +38,12 @@ def db_hparams(algorithm, dataset, random_seed):
     _hparam("resnet_dropout", 0.0, lambda r: r.choice([0.0, 0.1, 0.5]))
     _hparam("class_balanced", False, lambda r: False)
     _hparam("nonlinear_classifier", False, lambda r: bool(r.choice([False, False])))
+    return hparams, _hparam
+
+
+def db_hparams(algorithm, dataset, random_seed):
+    """DomainBed's ``_hparams``: ``{name: (default, random value)}``."""
+    hparams, _hparam = reference_registry(random_seed)
     if algorithm == "IRM":
         _hparam("irm_lambda", 1e2, lambda r: 10 ** r.uniform(-1, 5))
         _hparam("irm_penalty_anneal_iters", 500, lambda r: int(10 ** r.uniform(0, 4)))
@@ -255,19 +263,7 @@ def diwa_setting(algorithm, dataset, hparams_seed, trial_seed):
     dataset-dependent lr, weight_decay and batch_size on every dataset) as its
     ``train.py`` calls it: defaults at hparams_seed 0, else the random values of
     ``seed_hash(hparams_seed, trial_seed)``."""
-    random_seed = db_seed_hash(hparams_seed, trial_seed)
-    hparams = {}
-
-    def _hparam(name, default_val, random_val_fn):
-        assert name not in hparams
-        random_state = np.random.RandomState(db_seed_hash(random_seed, name))
-        hparams[name] = (default_val, random_val_fn(random_state))
-
-    _hparam("data_augmentation", True, lambda r: True)
-    _hparam("resnet18", False, lambda r: False)
-    _hparam("resnet_dropout", 0.0, lambda r: r.choice([0.0, 0.1, 0.5]))
-    _hparam("class_balanced", False, lambda r: False)
-    _hparam("nonlinear_classifier", False, lambda r: bool(r.choice([False, False])))
+    hparams, _hparam = reference_registry(db_seed_hash(hparams_seed, trial_seed))
     if algorithm in ("MMD", "CORAL"):
         _hparam("mmd_gamma", 1.0, lambda r: 10 ** r.uniform(-1, 1))
     _hparam("lr", 5e-5, lambda r: r.choice([1e-5, 3e-5, 5e-5]))
